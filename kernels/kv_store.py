@@ -1,0 +1,26 @@
+"""Writing new K/V rows into the paged cache.
+
+Cache layout, per layer (one source of truth, see nanokv/kv_cache.py):
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    pos_cache:        [num_blocks, num_kv_heads, block_size] int32
+    score_cache:      [num_blocks, num_kv_heads, block_size] float32
+A slot is `block * block_size + offset`. Each KV head has its own position
+and score per slot: after eviction, slot j of head 0 and slot j of head 1 may
+hold different tokens.
+"""
+import torch
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             pos_cache: torch.Tensor, score_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, positions: torch.Tensor) -> None:
+    """Write k, v [T, Hkv, D] to their slots [T] (slot -1 = padding, skipped),
+    record each token's position for every head and reset its score to 0."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    block_size = k_cache.shape[2]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
+    pos_cache[blocks, :, offsets] = positions[keep].to(pos_cache.dtype).unsqueeze(1)
+    score_cache[blocks, :, offsets] = 0.0

@@ -1,0 +1,3 @@
+from models.decoder import Decoder
+
+__all__ = ["Decoder"]

@@ -1,0 +1,18 @@
+"""The attention metadata of one step: built once by the runner, read by every layer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token goes in the paged cache, and what each sequence attends to.
+
+    The batch is flat: sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
+    """
+    slot_mapping: torch.Tensor   # [T] int64: cache slot of each new token (-1: padding)
+    cu_seqlens_q: torch.Tensor   # [B+1] int32: query row offsets
+    context_lens: torch.Tensor   # [B] int32: slots each sequence attends to, this step's included
+    block_tables: torch.Tensor   # [B, max_blocks] int32: the sequence's blocks, padded with 0

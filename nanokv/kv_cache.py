@@ -1,0 +1,72 @@
+"""The paged KV cache: one pool of fixed-size blocks shared by all sequences.
+
+Beside K and V, every slot of every KV head carries the metadata eviction
+needs, laid out like the cache so kernels read it through the same block
+tables: the original token position (int32) and an attention score (fp32).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanokv.config import ModelConfig
+
+
+@dataclass
+class LayerCache:
+    """Views of one layer's slice of the pool (layout documented in kernels/kv_store.py)."""
+    k: torch.Tensor          # [num_blocks, num_kv_heads, block_size, head_dim]
+    v: torch.Tensor          # [num_blocks, num_kv_heads, block_size, head_dim]
+    positions: torch.Tensor  # [num_blocks, num_kv_heads, block_size] int32
+    scores: torch.Tensor     # [num_blocks, num_kv_heads, block_size] float32
+
+
+class KVCache:
+    """The tensors of the pool, for all layers at once."""
+
+    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (model.num_layers, num_blocks, model.num_kv_heads, block_size)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k = torch.empty(*shape, model.head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.positions = torch.zeros(shape, dtype=torch.int32, device=device)
+        self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
+
+    def layer(self, i: int) -> LayerCache:
+        return LayerCache(self.k[i], self.v[i], self.positions[i], self.scores[i])
+
+    @staticmethod
+    def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """Memory of one block across all layers: K and V, plus position and score."""
+        kv = 2 * model.head_dim * torch.finfo(dtype).bits // 8
+        metadata = 4 + 4
+        return model.num_layers * model.num_kv_heads * block_size * (kv + metadata)
+
+
+class BlockManager:
+    """Hands out block ids from a free list. It only counts: it never touches tensors."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_slots: int) -> int:
+        return -(-num_slots // self.block_size)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self.free_blocks)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free_blocks):
+            raise RuntimeError(f"asked for {n} KV blocks, only {len(self.free_blocks)} free")
+        return [self.free_blocks.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self.free_blocks.extend(reversed(blocks))

@@ -1,0 +1,192 @@
+"""The public API: LLM.generate() for batches, add_request() + step() for streaming.
+
+generate() is nothing but a loop over step(). One step: the scheduler picks
+the batch, the runner runs the model and samples, the scheduler records the
+new tokens, and here the tokens become text (with stop strings applied).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from itertools import count
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from nanokv.config import EngineConfig, ModelConfig, resolve_dtype
+from nanokv.kv_cache import BlockManager
+from nanokv.loader import resolve_model_path
+from nanokv.runner import ModelRunner
+from nanokv.sampling import SamplingParams
+from nanokv.scheduler import Scheduler
+from nanokv.sequence import Sequence
+from nanokv.tokenizer import IncrementalDetokenizer, Tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    """A request's output so far; `new_*` is what the last step added."""
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None   # "stop" (EOS, stop token or string), "length" or "abort"
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    text: str = ""      # output text, cut at a stop string
+    streamed: int = 0   # characters of `text` already handed out
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: torch.dtype | str = "auto", **options):
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; "
+                            f"the options are {', '.join(sorted(fields - {'model', 'dtype'}))}")
+        self.config = EngineConfig(model=model, dtype=dtype, **options)
+        device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(self.config.dtype, device)
+        path = resolve_model_path(model)
+        self.model_config = ModelConfig.from_dir(path)
+        self.tokenizer = Tokenizer.from_dir(path)
+        self.config.max_model_len = self._max_model_len()
+        self.runner = ModelRunner(self.config, self.model_config, path, self.dtype, device)
+        self.blocks = BlockManager(self.runner.kv_cache.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path))
+        self.requests: dict[int, _Request] = {}
+        self._ids = count()
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:   # nanokv attends to the whole context: stay inside the window
+            limit = min(limit, self.model_config.sliding_window)
+        wanted = self.config.max_model_len or limit
+        if not 1 < wanted <= limit:
+            raise ValueError(f"max_model_len={wanted} is outside the model's context (2..{limit})")
+        return wanted
+
+    def _eos_token_ids(self, path: Path) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_config = path / "generation_config.json"
+        if gen_config.is_file():
+            eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            ids |= set([eos] if isinstance(eos, int) else eos or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ----- requests -----------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, or a ValueError that says what is wrong with it."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        else:
+            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len={self.config.max_model_len} "
+                             "leaves no room to generate")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. A bad request raises and changes nothing."""
+        return self._queue(prompt, self._prompt_ids(prompt), params)
+
+    def _queue(self, prompt: Prompt, ids: list[int], params: SamplingParams | None) -> int:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        request_id = next(self._ids)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+        seq = Sequence(request_id, ids, params, generator=generator)
+        self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
+                                             IncrementalDetokenizer(self.tokenizer, ids))
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self.scheduler.finish(request.seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----- stepping -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an output for every request that got a new token."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("requests are waiting but none can be scheduled")
+            return []
+        sampled = self.runner.run(batch)
+        self.scheduler.update(batch, sampled)
+        return [self._emit(self.requests[seq_id], token) for seq_id, token in sampled.items()]
+
+    def _emit(self, request: _Request, token: int) -> RequestOutput:
+        seq = request.seq
+        request.text += request.detokenizer.add([token])
+        stops = seq.params.stop
+        hit = [i for i in (request.text.find(s) for s in stops) if i >= 0]
+        if hit:
+            request.text = request.text[:min(hit)]
+            self.scheduler.finish(seq, "stop")
+        # While running, hold back a tail that might still grow into a stop string.
+        held = 0 if seq.is_finished or not stops else max(map(len, stops)) - 1
+        upto = max(request.streamed, len(request.text) - held)
+        new_text, request.streamed = request.text[request.streamed:upto], upto
+        if seq.is_finished:
+            del self.requests[seq.seq_id]
+        return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids,
+                             request.text[:upto], list(seq.output_token_ids), new_text, [token],
+                             seq.is_finished, seq.finish_reason)
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in the order of `prompts`."""
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        for sp in params:   # check everything before queueing anything
+            if sp is not None and not isinstance(sp, SamplingParams):
+                raise TypeError(f"expected SamplingParams, got {type(sp).__name__}")
+        token_ids = [self._prompt_ids(p) for p in prompts]
+        ids = [self._queue(p, t, sp) for p, t, sp in zip(prompts, token_ids, params)]
+        pending, results = set(ids), {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="generating") as bar:
+            while pending:
+                for out in self.step():
+                    if out.finished and out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        return [results[i] for i in ids]

@@ -1,0 +1,75 @@
+"""Sampling parameters of one request, and the batched sampler."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0        # 0 = greedy
+    top_p: float = 1.0              # nucleus: keep the smallest set of tokens with this much mass
+    top_k: int = 0                  # keep the k most likely tokens; 0 = all
+    seed: int | None = None         # a request's own random stream, independent of its batch
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings, not included in the text
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+
+class Sampler:
+    """Picks one token per row of logits, every row with its own parameters.
+
+    All rows go through the same tensor ops. Random rows use the exponential
+    race (argmax of p / E with E ~ Exp(1) draws from p); rows with a seed draw
+    their E from their own generator, so their tokens do not depend on what
+    else is in the batch.
+    """
+
+    def __init__(self, device: torch.device, seed: int):
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        if all(p.temperature == 0 for p in params):
+            return greedy
+        device = logits.device
+        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        probs = (logits / temperature[:, None]).softmax(dim=-1)
+        if any(p.top_k or p.top_p < 1 for p in params):
+            probs = self._truncate(probs, params)
+        races = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                races[row].exponential_(generator=gen)
+        sampled = (probs / races).argmax(dim=-1)
+        is_greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
+        return torch.where(is_greedy, greedy, sampled)
+
+    @staticmethod
+    def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Zero every token outside each row's top-k and top-p set (the top token always stays)."""
+        device, vocab = probs.device, probs.shape[-1]
+        top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=device)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = (rank[None] >= top_k[:, None]) | (mass_before >= top_p[:, None])
+        return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))

@@ -1,0 +1,58 @@
+"""Tiny random checkpoints of every supported family, written as HF directories."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+VOCAB = 300   # 256 byte tokens + 2 specials, padded: ids 258..299 exist only in the model
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """A byte-level tokenizer with no merges: every byte is one token."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>",
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                         "{% if add_generation_prompt %}<s>assistant: {% endif %}"}))
+
+
+FAMILIES = {
+    "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2),
+    "llama3": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=1,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
+    "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
+    "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+}
+
+
+def make_tiny_model(path: Path, family: str, tied: bool = False, seed: int = 0,
+                    max_shard_size: str | None = None):
+    """Write a random 2-layer model of `family` to `path`; returns the HF model (fp32)."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=tied, bos_token_id=256, eos_token_id=257, **FAMILIES[family])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():   # HF initialises biases and norms to constants: make them random
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    write_byte_tokenizer(path)
+    return model

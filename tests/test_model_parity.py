@@ -1,0 +1,84 @@
+"""Our decoder, run through the paged cache, against HF transformers (fp32)."""
+import pytest
+import torch
+
+from helpers import FAMILIES, VOCAB, make_tiny_model
+from nanokv import LLM, SamplingParams
+from nanokv.scheduler import ScheduledBatch
+from nanokv.sequence import Sequence
+
+TOL = 1e-3
+
+
+def engine_logits(llm: LLM, seq: Sequence, n: int) -> torch.Tensor:
+    """Run seq's next n tokens through the real runner path; logits of every row."""
+    need = llm.blocks.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
+    seq.block_table += llm.blocks.allocate(need)
+    ids, positions, meta, _, _ = llm.runner.prepare(ScheduledBatch([seq], [n]))
+    with torch.inference_mode():
+        hidden = llm.runner.model(ids, positions, llm.runner.kv_cache, meta)
+        logits = llm.runner.model.compute_logits(hidden)
+    seq.num_computed_tokens += n
+    return logits
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy decoding with its own KV cache, never stopping at EOS."""
+    tokens = []
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = hf(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+def check_prefill_and_decode(llm: LLM, hf, prompt: list[int], steps: int = 16) -> None:
+    seq = Sequence(0, prompt, SamplingParams(temperature=0))
+    ours = engine_logits(llm, seq, len(prompt))
+    with torch.no_grad():
+        theirs = hf(torch.tensor([prompt])).logits[0].float()
+    assert (ours - theirs).abs().max().item() <= TOL
+    for _ in range(steps):
+        seq.output_token_ids.append(int(ours[-1].argmax()))
+        ours = engine_logits(llm, seq, 1)
+        with torch.no_grad():
+            theirs = hf(torch.tensor([seq.token_ids])).logits[0, -1:].float()
+        assert (ours - theirs).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tiny_models_match_transformers(tmp_path, family):
+    hf = make_tiny_model(tmp_path, family, tied=family in ("llama", "qwen3"))
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    prompt = torch.randint(0, VOCAB, (64,)).tolist()
+    check_prefill_and_decode(llm, hf, prompt)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf = make_tiny_model(tmp_path, "qwen2", max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    check_prefill_and_decode(llm, hf, torch.randint(0, VOCAB, (40,)).tolist(), steps=2)
+
+
+def test_bundled_model_matches_transformers(bundled_dir):
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.float32).eval()
+    llm = LLM(str(bundled_dir), dtype="float32", num_kv_blocks=64, max_model_len=512)
+    prompt = llm.tokenizer.encode("The history of the Roman Empire spans many centuries, from the "
+                                  "founding of the city to the fall of Constantinople. " * 3)[:64]
+    assert len(prompt) == 64
+    check_prefill_and_decode(llm, hf, prompt)
+
+
+def test_greedy_matches_transformers_in_a_mixed_batch(bundled_dir):
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.float32).eval()
+    llm = LLM(str(bundled_dir), dtype="float32", num_kv_blocks=128, max_model_len=512)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ",
+               "Once upon a time, in a land far away, there lived a dragon who",
+               "<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, llm.tokenizer.encode(prompt), 32), prompt

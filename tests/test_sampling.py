@@ -1,0 +1,103 @@
+"""The batched sampler, and how stop conditions and streaming behave in the engine."""
+import pytest
+import torch
+
+from helpers import make_tiny_model
+from nanokv import LLM, SamplingParams
+from nanokv.sampling import Sampler
+
+
+def sample_many(logits_row, params, n=4000, seed=0):
+    sampler = Sampler(torch.device("cpu"), seed)
+    logits = logits_row.expand(n, -1).clone()
+    return sampler(logits, [params] * n, [None] * n)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50)
+    out = Sampler(torch.device("cpu"), 0)(logits, [SamplingParams(temperature=0)] * 5, [None] * 5)
+    assert out.tolist() == logits.argmax(-1).tolist()
+
+
+def test_temperature_sampling_follows_the_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    for temperature in (0.5, 1.0, 2.0):
+        tokens = sample_many(logits, SamplingParams(temperature=temperature), n=20000)
+        freq = torch.bincount(tokens, minlength=4).float() / len(tokens)
+        expected = (logits / temperature).softmax(-1)
+        assert (freq - expected).abs().max() < 0.015, (temperature, freq, expected)
+
+
+def test_top_k_and_top_p_cut_the_tail():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0, -1.0])
+    assert set(sample_many(logits, SamplingParams(top_k=2)).tolist()) == {0, 1}
+    probs = logits.softmax(-1)   # [0.64, 0.24, 0.09, ...]: top_p 0.8 keeps tokens 0 and 1
+    assert set(sample_many(logits, SamplingParams(top_p=0.8)).tolist()) == {0, 1}
+    assert set(sample_many(logits, SamplingParams(top_p=float(probs[0]) - 1e-3)).tolist()) == {0}
+    assert set(sample_many(logits, SamplingParams(top_k=1, temperature=5.0)).tolist()) == {0}
+
+
+def test_rows_keep_their_own_parameters_in_one_batch():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).expand(3000, -1).clone()
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=2), SamplingParams()] * 1000
+    out = Sampler(torch.device("cpu"), 0)(logits, params, [None] * 3000).view(1000, 3)
+    assert set(out[:, 0].tolist()) == {0}
+    assert set(out[:, 1].tolist()) == {0, 1}
+    assert set(out[:, 2].tolist()) == {0, 1, 2, 3}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(path, "llama")
+    return LLM(str(path), dtype="float32", num_kv_blocks=128, max_model_len=256)
+
+
+def test_seeded_requests_do_not_depend_on_their_batch(llm):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], params)[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = llm.generate([[1, 2, 3, 4], [5, 6, 7], [9] * 30], [others, params, others])
+    assert batch[1].token_ids == alone
+    unseeded = llm.generate([[5, 6, 7]] * 4, others)
+    assert len({tuple(o.token_ids) for o in unseeded}) > 1
+
+
+def test_stop_token_ids_and_eos(llm):
+    free_run = llm.generate([[10, 11]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    stop_at = free_run.token_ids[5]
+    out = llm.generate([[10, 11]], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_at]))[0]
+    first = free_run.token_ids.index(stop_at)
+    assert out.token_ids == free_run.token_ids[:first + 1] and out.finish_reason == "stop"
+    llm.scheduler.eos_token_ids.add(stop_at)   # the same token as EOS
+    try:
+        out = llm.generate([[10, 11]], SamplingParams(temperature=0, max_tokens=30))[0]
+        assert out.token_ids == free_run.token_ids[:first + 1] and out.finish_reason == "stop"
+        out = llm.generate([[10, 11]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+        assert out.token_ids == free_run.token_ids and out.finish_reason == "length"
+    finally:
+        llm.scheduler.eos_token_ids.discard(stop_at)
+
+
+def test_stop_strings_cut_the_text_and_streaming_adds_up(llm):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = llm.generate([[40, 41, 42]], params)[0].text
+    stop = full[10:13]
+    cut = full.find(stop)
+    params.stop = [stop]
+    rid = llm.add_request([40, 41, 42], params)
+    pieces, last = [], None
+    while llm.has_unfinished():
+        for out in llm.step():
+            assert out.request_id == rid
+            pieces.append(out.new_text)
+            last = out
+    assert last.finished and last.finish_reason == "stop"
+    assert last.text == full[:cut] == "".join(pieces)
+
+
+def test_abort_frees_the_request(llm):
+    rid = llm.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    llm.step()
+    llm.abort(rid)
+    assert not llm.has_unfinished() and llm.blocks.num_free == llm.blocks.num_blocks

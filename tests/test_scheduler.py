@@ -1,0 +1,62 @@
+"""Continuous batching under pressure: preemption, chunked prefill, block accounting."""
+import random
+
+import pytest
+
+from helpers import VOCAB, make_tiny_model
+from nanokv import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model(path, "llama")
+    return path
+
+
+def random_requests(n: int, seed: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 100))] for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 40), ignore_eos=True) for _ in range(n)]
+    return prompts, params
+
+
+def test_300_requests_through_a_tiny_pool_match_an_unconstrained_run(tiny_dir):
+    prompts, params = random_requests(300, seed=1)
+    roomy = LLM(str(tiny_dir), dtype="float64", num_kv_blocks=4096, max_model_len=160,
+                max_num_seqs=256, max_num_batched_tokens=8192)
+    expected = [o.token_ids for o in roomy.generate(prompts, params)]
+
+    tight = LLM(str(tiny_dir), dtype="float64", num_kv_blocks=12, max_model_len=160,
+                max_num_seqs=16, max_num_batched_tokens=48)
+    outs = tight.generate(prompts, params)
+    assert tight.scheduler.num_preemptions > 20
+    assert [o.token_ids for o in outs] == expected
+    assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
+    assert tight.blocks.num_free == 12
+    assert not tight.scheduler.running and not tight.scheduler.waiting
+
+
+def test_steps_respect_token_and_sequence_limits(tiny_dir):
+    llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=256, max_model_len=160,
+              max_num_seqs=3, max_num_batched_tokens=40)
+    prompts, params = random_requests(10, seed=2)
+    for p, sp in zip(prompts, params):
+        llm.add_request(p, sp)
+    mixed = False
+    while llm.has_unfinished():
+        batch = llm.scheduler.schedule()
+        assert sum(batch.num_new_tokens) <= 40 and len(batch) <= 3
+        assert len(llm.scheduler.running) <= 3
+        sizes = set(batch.num_new_tokens)
+        mixed |= 1 in sizes and any(n > 1 for n in sizes)
+        sampled = llm.runner.run(batch)
+        llm.scheduler.update(batch, sampled)
+    assert mixed, "no step mixed a prefill chunk with decodes"
+    assert llm.blocks.num_free == 256
+
+
+def test_max_model_len_ends_a_sequence(tiny_dir):
+    llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=50)
+    out = llm.generate([[1] * 45], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
