@@ -10,21 +10,43 @@ because new tokens are always appended after the kept ones).
 import torch
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float):
-    """q [B, Q, Hkv, G, D], k/v [B, Hkv, L, D], visible [B, Q, L] -> [B, Q, Hkv, G, D]."""
-    scores = torch.einsum("bqhgd,bhld->bhgql", q.float(), k.float()) * scale
-    scores.masked_fill_(~visible[:, None, None], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.einsum("bhgql,bhld->bqhgd", probs, v.float())
-
-
 def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
     """[num_blocks, Hkv, bs, D] paged through block_tables [B, nb] -> [B, Hkv, max_len, D]."""
     block_size = cache.shape[2]
-    num_blocks = -(-max_len // block_size)
-    pages = cache[block_tables[:, :num_blocks].long()]            # [B, nb, Hkv, bs, D]
-    B, nb, H, bs, D = pages.shape
-    return pages.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D)[:, :, :max_len]
+    tables = block_tables[:, :-(-max_len // block_size)]
+    pages = cache.index_select(0, tables.reshape(-1)).unflatten(0, tables.shape)  # [B, nb, Hkv, bs, D]
+    return pages.transpose(1, 2).flatten(2, 3)[:, :, :max_len]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float):
+    """q [B, Q, Hkv, G, D], k/v [B, Hkv, L, D], visible [B, Q, L] -> [B, Q, Hkv, G, D], in fp32."""
+    scores = torch.einsum("bqhgd,bhld->bhgql", q.float(), k.float()) * scale
+    scores.masked_fill_(~visible[:, None, None], float("-inf"))
+    return torch.einsum("bhgql,bhld->bqhgd", scores.softmax(dim=-1), v.float())
+
+
+def _decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """One query per sequence: all sequences at once, padded to the longest context."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    max_len = int(context_lens.max())
+    k = _gather_context(k_cache, block_tables, max_len)
+    v = _gather_context(v_cache, block_tables, max_len)
+    visible = torch.arange(max_len, device=q.device)[None, None, :] < context_lens[:, None, None]
+    out = _attend(q.view(B, 1, Hkv, Hq // Hkv, D), k, v, visible, scale)
+    return out.reshape(B, Hq, D).to(q.dtype)
+
+
+def _prefill(q, k_cache, v_cache, block_table, context_len: int, scale):
+    """One sequence's chunk of n queries, causal over its context."""
+    n, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    k = _gather_context(k_cache, block_table[None], context_len)
+    v = _gather_context(v_cache, block_table[None], context_len)
+    query_slot = context_len - n + torch.arange(n, device=q.device)
+    visible = torch.arange(context_len, device=q.device)[None, :] <= query_slot[:, None]
+    out = _attend(q.view(1, n, Hkv, Hq // Hkv, D), k, v, visible[None], scale)
+    return out.reshape(n, Hq, D).to(q.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -33,36 +55,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q [T, Hq, D] -> out [T, Hq, D], attending through the paged cache.
 
     Decode rows (one query each) are computed together as one padded batch;
-    each longer query chunk is computed on its own, so a step that mixes one
-    long prefill with many decodes never pads every sequence to the longest.
+    each longer chunk on its own, so one long prefill never makes every
+    decode in the step pad to its length.
     """
-    T, Hq, D = q.shape
-    Hkv = k_cache.shape[1]
-    group = Hq // Hkv
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    if q.shape[0] == q_lens.shape[0]:   # a pure decode step
+        return _decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     out = torch.empty_like(q)
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
-    starts, ctx = cu_seqlens_q[:-1].tolist(), context_lens.tolist()
-
-    decodes = [b for b, n in enumerate(q_lens) if n == 1]
-    if decodes:
-        rows = cu_seqlens_q[:-1][decodes].long()
-        max_len = max(ctx[b] for b in decodes)
-        k = _gather_context(k_cache, block_tables[decodes], max_len)
-        v = _gather_context(v_cache, block_tables[decodes], max_len)
-        lens = context_lens[decodes].to(q.device)
-        visible = (torch.arange(max_len, device=q.device) < lens[:, None])[:, None, :]
-        o = _attend(q[rows].view(len(decodes), 1, Hkv, group, D), k, v, visible, scale)
-        out[rows] = o.reshape(len(decodes), Hq, D).to(q.dtype)
-
-    for b, n in enumerate(q_lens):
-        if n <= 1:
-            continue
-        k = _gather_context(k_cache, block_tables[b:b + 1], ctx[b])
-        v = _gather_context(v_cache, block_tables[b:b + 1], ctx[b])
-        first_query_slot = ctx[b] - n
-        visible = (torch.arange(ctx[b], device=q.device)[None, :]
-                   <= first_query_slot + torch.arange(n, device=q.device)[:, None])
-        qb = q[starts[b]:starts[b] + n].view(1, n, Hkv, group, D)
-        o = _attend(qb, k, v, visible[None], scale)
-        out[starts[b]:starts[b] + n] = o.reshape(n, Hq, D).to(q.dtype)
+    decodes = (q_lens == 1).nonzero().flatten()
+    if len(decodes):
+        rows = cu_seqlens_q[decodes].long()
+        out[rows] = _decode(q[rows], k_cache, v_cache, block_tables[decodes], context_lens[decodes], scale)
+    for b in (q_lens > 1).nonzero().flatten().tolist():
+        start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        out[start:end] = _prefill(q[start:end], k_cache, v_cache, block_tables[b], int(context_lens[b]), scale)
     return out

@@ -17,10 +17,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Write k, v [T, Hkv, D] to their slots [T] (slot -1 = padding, skipped),
     record each token's position for every head and reset its score to 0."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
+    if not keep.all():
+        slot_mapping, k, v, positions = slot_mapping[keep], k[keep], v[keep], positions[keep]
     block_size = k_cache.shape[2]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v[keep].to(v_cache.dtype)
-    pos_cache[blocks, :, offsets] = positions[keep].to(pos_cache.dtype).unsqueeze(1)
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
+    pos_cache[blocks, :, offsets] = positions.to(pos_cache.dtype).unsqueeze(1)
     score_cache[blocks, :, offsets] = 0.0

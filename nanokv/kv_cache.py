@@ -29,8 +29,10 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device):
         shape = (model.num_layers, num_blocks, model.num_kv_heads, block_size)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.k = torch.empty(*shape, model.head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        # Zeroed, not empty: attention reads whole blocks and masks the unused slots,
+        # and 0 * NaN from uninitialised memory would still be NaN.
+        self.k = torch.zeros(*shape, model.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
         self.positions = torch.zeros(shape, dtype=torch.int32, device=device)
         self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
 

@@ -152,6 +152,8 @@ class LLM:
     def _emit(self, request: _Request, token: int) -> RequestOutput:
         seq = request.seq
         request.text += request.detokenizer.add([token])
+        if seq.is_finished:   # no more tokens will complete a held-back partial character
+            request.text += request.detokenizer.flush()
         stops = seq.params.stop
         hit = [i for i in (request.text.find(s) for s in stops) if i >= 0]
         if hit:

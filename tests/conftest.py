@@ -1,0 +1,21 @@
+import os
+
+# Before anything imports triton: without a GPU, kernels run in triton's interpreter.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def bundled_dir(tmp_path_factory):
+    """The bundled SmolLM2 model, converted once per session into a fresh cache.
+
+    A fresh cache means the suite always tests the current converter. For the
+    rest of the session NANOKV_CACHE_DIR points at that cache, so
+    `bundled_model_dir()` and `LLM()` reuse the conversion.
+    """
+    from nanokv.bundled import bundled_model_dir
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOKV_CACHE_DIR", str(tmp_path_factory.mktemp("nanokv-cache")))
+        yield bundled_model_dir()
