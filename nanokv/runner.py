@@ -51,21 +51,29 @@ class ModelRunner:
         """Bytes left for the KV cache after a forward pass at the largest step size."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        n = self.config.max_num_batched_tokens
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(1, 1, dtype=torch.int32, device=self.device))
-        empty = KVCache(self.model.config, 0, self.block_size, next(self.model.parameters()).dtype, self.device)
-        with torch.inference_mode():
-            self.model.compute_logits(self.model(ids, torch.arange(n, device=self.device), empty, meta))
+        self.profile_forward()
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()
         budget = total * self.config.gpu_memory_utilization - used_by_others - torch.cuda.max_memory_allocated()
         return max(int(budget), 0)
+
+    @torch.inference_mode()
+    def profile_forward(self) -> None:
+        """The most memory one step can need: one prefill of max_num_batched_tokens,
+        through a scratch cache just big enough for it."""
+        n, bs, device = self.config.max_num_batched_tokens, self.block_size, self.device
+        num_blocks = -(-n // bs)
+        dtype = next(self.model.parameters()).dtype
+        scratch = KVCache(self.model.config, num_blocks, bs, dtype, device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=device),
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
+            context_lens=torch.tensor([n], dtype=torch.int32, device=device),
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None])
+        positions = torch.arange(n, device=device)
+        hidden = self.model(torch.zeros(n, dtype=torch.long, device=device), positions, scratch, meta)
+        self.model.compute_logits(hidden[-self.config.max_num_seqs:])
 
     def prepare(self, batch: ScheduledBatch):
         """Flatten the batch: token ids, positions, metadata, and which rows (of which

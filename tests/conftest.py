@@ -19,3 +19,14 @@ def bundled_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOKV_CACHE_DIR", str(tmp_path_factory.mktemp("nanokv-cache")))
         yield bundled_model_dir()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run wherever CUDA exists and are skipped elsewhere."""
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

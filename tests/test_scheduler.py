@@ -60,3 +60,21 @@ def test_max_model_len_ends_a_sequence(tiny_dir):
     llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=50)
     out = llm.generate([[1] * 45], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_the_memory_profiling_pass_leaves_the_pool_alone(tiny_dir):
+    """On CUDA the pool is sized after this pass; it must run anywhere and write only scratch."""
+    llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=160, max_num_batched_tokens=100)
+    llm.runner.profile_forward()
+    assert llm.runner.kv_cache.k.abs().sum() == 0 and llm.runner.kv_cache.v.abs().sum() == 0
+
+
+@pytest.mark.gpu
+def test_cuda_pool_is_sized_from_free_memory(tiny_dir):
+    import torch
+    llm = LLM(str(tiny_dir), dtype="bfloat16", device="cuda", max_model_len=160, gpu_memory_utilization=0.5)
+    pool_bytes = llm.runner.kv_cache.k.numel() * 2 * 2
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert llm.blocks.num_blocks * 16 >= 160 and pool_bytes <= 0.5 * total
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
