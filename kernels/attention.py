@@ -1,4 +1,5 @@
-"""Paged attention over the KV cache: the torch reference.
+"""Paged attention over the KV cache: the torch reference (the oracle of
+kernels/attention_triton.py).
 
 One function serves prefill, chunked prefill and decode. The batch is
 flattened ("varlen"): sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1],
@@ -19,10 +20,12 @@ def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: in
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float):
-    """q [B, Q, Hkv, G, D], k/v [B, Hkv, L, D], visible [B, Q, L] -> [B, Q, Hkv, G, D], in fp32."""
+    """q [B, Q, Hkv, G, D], k/v [B, Hkv, L, D], visible [B, Q, L] -> out [B, Q, Hkv, G, D]
+    and the log-sum-exp of each query's scores [B, Q, Hkv, G], both in fp32."""
     scores = torch.einsum("bqhgd,bhld->bhgql", q.float(), k.float()) * scale
     scores.masked_fill_(~visible[:, None, None], float("-inf"))
-    return torch.einsum("bhgql,bhld->bqhgd", scores.softmax(dim=-1), v.float())
+    out = torch.einsum("bhgql,bhld->bqhgd", scores.softmax(dim=-1), v.float())
+    return out, scores.logsumexp(dim=-1).permute(0, 3, 1, 2)
 
 
 def _decode(q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -33,8 +36,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     k = _gather_context(k_cache, block_tables, max_len)
     v = _gather_context(v_cache, block_tables, max_len)
     visible = torch.arange(max_len, device=q.device)[None, None, :] < context_lens[:, None, None]
-    out = _attend(q.view(B, 1, Hkv, Hq // Hkv, D), k, v, visible, scale)
-    return out.reshape(B, Hq, D).to(q.dtype)
+    out, lse = _attend(q.view(B, 1, Hkv, Hq // Hkv, D), k, v, visible, scale)
+    return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
 
 
 def _prefill(q, k_cache, v_cache, block_table, context_len: int, scale):
@@ -45,14 +48,15 @@ def _prefill(q, k_cache, v_cache, block_table, context_len: int, scale):
     v = _gather_context(v_cache, block_table[None], context_len)
     query_slot = context_len - n + torch.arange(n, device=q.device)
     visible = torch.arange(context_len, device=q.device)[None, :] <= query_slot[:, None]
-    out = _attend(q.view(1, n, Hkv, Hq // Hkv, D), k, v, visible[None], scale)
-    return out.reshape(n, Hq, D).to(q.dtype)
+    out, lse = _attend(q.view(1, n, Hkv, Hq // Hkv, D), k, v, visible[None], scale)
+    return out.reshape(n, Hq, D).to(q.dtype), lse.reshape(n, Hq)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [T, Hq, D] -> out [T, Hq, D], attending through the paged cache.
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        context_lens: torch.Tensor, scale: float, return_lse: bool = False):
+    """q [T, Hq, D] -> out [T, Hq, D] (and, if asked, lse [T, Hq] fp32: the natural
+    log of each query's softmax denominator, which key scores are computed from).
 
     Decode rows (one query each) are computed together as one padded batch;
     each longer chunk on its own, so one long prefill never makes every
@@ -60,13 +64,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     if q.shape[0] == q_lens.shape[0]:   # a pure decode step
-        return _decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        out, lse = _decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return (out, lse) if return_lse else out
     out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     decodes = (q_lens == 1).nonzero().flatten()
     if len(decodes):
         rows = cu_seqlens_q[decodes].long()
-        out[rows] = _decode(q[rows], k_cache, v_cache, block_tables[decodes], context_lens[decodes], scale)
+        out[rows], lse[rows] = _decode(q[rows], k_cache, v_cache, block_tables[decodes],
+                                       context_lens[decodes], scale)
     for b in (q_lens > 1).nonzero().flatten().tolist():
         start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        out[start:end] = _prefill(q[start:end], k_cache, v_cache, block_tables[b], int(context_lens[b]), scale)
-    return out
+        out[start:end], lse[start:end] = _prefill(q[start:end], k_cache, v_cache, block_tables[b],
+                                                  int(context_lens[b]), scale)
+    return (out, lse) if return_lse else out

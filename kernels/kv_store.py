@@ -11,7 +11,7 @@ hold different tokens.
 import torch
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              pos_cache: torch.Tensor, score_cache: torch.Tensor,
              slot_mapping: torch.Tensor, positions: torch.Tensor) -> None:
     """Write k, v [T, Hkv, D] to their slots [T] (slot -1 = padding, skipped),

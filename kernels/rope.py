@@ -35,7 +35,7 @@ def rope_cos_sin_cache(head_dim: int, max_len: int, theta: float, scaling: dict 
     return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by their tokens' positions [T]."""
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
     for x in (q, k):
