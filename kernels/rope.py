@@ -7,6 +7,8 @@ pairs with dimension i + D/2.
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -42,3 +44,50 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, co
         x1, x2 = x.float().chunk(2, dim=-1)
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         x.copy_(rotated)
+
+
+@triton.jit
+def _rotate_heads(ptr, n_heads, stride_h, half, cos, sin, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate one token's heads [n_heads, 2 * half] in place; cos, sin are [BLOCK_HALF] fp32."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < n_heads) & (cols < half)
+    first = ptr + heads * stride_h + cols
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos[None, :] - x2 * sin[None, :]).to(ptr.dtype.element_ty), mask=mask)
+    tl.store(first + half, (x2 * cos[None, :] + x1 * sin[None, :]).to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, n_q_heads, n_kv_heads, half,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                 BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """One program per token: its cos/sin row is read once and used for all its q and k heads."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)
+    cs_row = cos_sin_ptr + pos * stride_cs + cols
+    cos = tl.load(cs_row, mask=cols < half, other=0.0)
+    sin = tl.load(cs_row + half, mask=cols < half, other=0.0)
+    _rotate_heads(q_ptr + t * stride_qt, n_q_heads, stride_qh, half, cos, sin, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr + t * stride_kt, n_kv_heads, stride_kh, half, cos, sin, BLOCK_HKV, BLOCK_HALF)
+
+
+def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+    """apply_rope_ref in one launch, in place on q [T, Hq, D] and k [T, Hkv, D], which may be strided
+    views (slices of the fused qkv output) as long as each head's D values are contiguous.
+    positions must lie in [0, len(cos_sin)): they are not bounds-checked (that would sync the GPU)."""
+    T, n_q_heads, D = q.shape
+    if k.shape[0] != T or k.shape[2] != D or positions.shape != (T,):
+        raise ValueError(f"shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)}")
+    if q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError("apply_rope needs each head's D values contiguous in q and k")
+    if cos_sin.dtype != torch.float32 or cos_sin.shape[1] != D or cos_sin.stride(1) != 1:
+        raise ValueError(f"cos_sin must be float32 [max_len, {D}] with contiguous rows")
+    if not (q.device == k.device == positions.device == cos_sin.device):
+        raise ValueError("q, k, positions and cos_sin must be on one device")
+    _rope_kernel[(T,)](q, k, positions, cos_sin, n_q_heads, k.shape[1], D // 2,
+                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+                       BLOCK_HQ=triton.next_power_of_2(n_q_heads), BLOCK_HKV=triton.next_power_of_2(k.shape[1]),
+                       BLOCK_HALF=triton.next_power_of_2(D // 2))

@@ -8,14 +8,18 @@ step's AttentionMetadata.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import kernels
-from nanokv.attention import AttentionMetadata
-from nanokv.config import ModelConfig
-from nanokv.kv_cache import KVCache
+
+if TYPE_CHECKING:   # the model only reads these; importing nanokv here would be circular
+    from nanokv.attention import AttentionMetadata
+    from nanokv.config import ModelConfig
+    from nanokv.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -57,8 +61,9 @@ class Attention(nn.Module):
         layer = cache.layer(self.layer_idx)
         kernels.store_kv(k, v, layer.k, layer.v, layer.positions, layer.scores,
                          meta.slot_mapping, positions)
-        out = kernels.paged_attention(q, layer.k, layer.v, meta.block_tables,
-                                      meta.cu_seqlens_q, meta.context_lens, self.scale)
+        out = kernels.paged_attention(q, layer.k, layer.v, meta.block_tables, meta.cu_seqlens_q,
+                                      meta.context_lens, self.scale, max_query_len=meta.max_query_len,
+                                      max_context_len=meta.max_context_len)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

@@ -16,3 +16,5 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor   # [B+1] int32: query row offsets
     context_lens: torch.Tensor   # [B] int32: slots each sequence attends to, this step's included
     block_tables: torch.Tensor   # [B, max_blocks] int32: the sequence's blocks, padded with 0
+    max_query_len: int           # longest query chunk (1: a pure decode step)
+    max_context_len: int         # an upper bound of context_lens (decode graphs: max_model_len)

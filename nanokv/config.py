@@ -104,6 +104,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)
     max_model_len: int | None = None    # prompt + output limit; default: the model's context
     seed: int = 0                       # for requests that give no seed of their own
+    enforce_eager: bool = False         # CUDA: no decode graphs (debugging, profiling)
 
     def __post_init__(self):
         if self.block_size < 1:

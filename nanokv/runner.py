@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 from nanokv.attention import AttentionMetadata
+import kernels
 from nanokv.config import EngineConfig, ModelConfig
+from nanokv.cuda_graphs import DecodeGraphs
 from nanokv.kv_cache import KVCache
 from nanokv.loader import load_model
 from nanokv.sampling import Sampler
@@ -26,6 +28,10 @@ class ModelRunner:
         num_blocks = self._num_kv_blocks(model_config, dtype)
         self.kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, device)
         self.sampler = Sampler(device, config.seed)
+        self.graphs = None   # CUDA graphs need the Triton kernels: the references synchronise
+        if device.type == "cuda" and kernels.BACKEND == "triton" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
+                                       -(-config.max_model_len // config.block_size), config.max_model_len)
 
     def _num_kv_blocks(self, model_config: ModelConfig, dtype: torch.dtype) -> int:
         """The pool size: given exactly, or from a size in GB, or (CUDA) from free memory."""
@@ -70,7 +76,8 @@ class ModelRunner:
             slot_mapping=torch.arange(n, device=device),
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
             context_lens=torch.tensor([n], dtype=torch.int32, device=device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None])
+            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+            max_query_len=n, max_context_len=n)
         positions = torch.arange(n, device=device)
         hidden = self.model(torch.zeros(n, dtype=torch.long, device=device), positions, scratch, meta)
         self.model.compute_logits(hidden[-self.config.max_num_seqs:])
@@ -99,14 +106,18 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=tensor(slots, torch.long),
                                  cu_seqlens_q=tensor(cu_seqlens, torch.int32),
                                  context_lens=tensor(context_lens, torch.int32),
-                                 block_tables=tensor(tables, torch.int32))
+                                 block_tables=tensor(tables, torch.int32),
+                                 max_query_len=max(batch.num_new_tokens), max_context_len=max(context_lens))
         return tensor(ids, torch.long), tensor(positions, torch.long), meta, sample_rows, sampled_seqs
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
         """One forward pass; returns seq_id -> sampled token for sequences that reached their end."""
         ids, positions, meta, sample_rows, sampled_seqs = self.prepare(batch)
-        hidden = self.model(ids, positions, self.kv_cache, meta)
+        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(len(batch)):
+            hidden = self.graphs.run(ids, positions, meta)
+        else:
+            hidden = self.model(ids, positions, self.kv_cache, meta)
         if not sample_rows:
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])

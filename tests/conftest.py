@@ -1,9 +1,12 @@
 import os
 
-# Before anything imports triton: without a GPU, kernels run in triton's interpreter.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
+# Before anything imports triton: without a GPU, Triton kernels run in its interpreter
+# on CPU tensors; with one, the same tests run them compiled (tests/helpers.KERNEL_DEVICE).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +26,6 @@ def bundled_dir(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run wherever CUDA exists and are skipped elsewhere."""
-    import torch
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -9,6 +9,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 VOCAB = 300   # 256 byte tokens + 2 specials, padded: ids 258..299 exist only in the model
 
+# Where kernel tests run Triton: compiled on a GPU, else in the interpreter on the CPU (conftest).
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def write_byte_tokenizer(path: Path) -> None:
     """A byte-level tokenizer with no merges: every byte is one token."""

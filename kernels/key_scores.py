@@ -1,0 +1,179 @@
+"""Key scores for average-attention eviction (Batch-Max, Sec. 3.2).
+
+Every kept KV pair accumulates `sum_weights`: the sum of the softmax
+probabilities it received from every query processed so far, in GQA from
+every query head of its group. The eviction rule later divides it by the
+number of queries that could see the pair, so the sum must count each query
+exactly once.
+
+Decode steps get their probabilities from the decode attention kernel. After
+a prefill chunk the attention kernel has only kept each query's log-sum-exp
+(`lse`), so the probabilities are recomputed here as
+    p[i, s] = exp(scale * q_i . k_s - lse_i),
+which is exactly the softmax the attention used, without its running max or
+a second pass over V.
+
+Batch layout is that of kernels/attention.py: sequence b owns query rows
+cu_seqlens_q[b]:cu_seqlens_q[b+1], its context is the first context_lens[b]
+slots (its new tokens last), and query j sees slots 0 .. context_len - q_len + j.
+block_tables is either [B, max_blocks], shared by all KV heads, or
+[B, Hkv, max_blocks], one table per KV head (after per-head eviction the
+same slot of two heads may live in different blocks).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_triton import _block_table_strides, _dot_config
+
+
+def _per_head_tables(block_tables: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, nb] or [B, Hkv, nb] -> [B, Hkv, nb] (a view: the shared table repeated per head)."""
+    if block_tables.dim() == 3:
+        return block_tables
+    return block_tables[:, None].expand(-1, num_kv_heads, -1)
+
+
+def accumulate_key_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, score_cache: torch.Tensor,
+                              block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              context_lens: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+    """Add to score_cache [num_blocks, Hkv, bs] (fp32, in place) the attention
+    probabilities that the queries q [T, Hq, D] gave each key of their context,
+    summed over the queries and over the G = Hq / Hkv query heads of each KV head.
+
+    lse [T, Hq] is each query's log softmax denominator, as returned by
+    paged_attention_ref(..., return_lse=True). The oracle of
+    accumulate_key_scores_triton: one sequence at a time, in fp32.
+    """
+    Hq, D = q.shape[1:]
+    Hkv, block_size = k_cache.shape[1:3]
+    G = Hq // Hkv
+    tables = _per_head_tables(block_tables, Hkv)
+    heads = torch.arange(Hkv, device=q.device)[:, None]
+    for b in range(len(context_lens)):
+        start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        n, context_len = end - start, int(context_lens[b])
+        slots = torch.arange(context_len, device=q.device)
+        blocks = tables[b][:, slots // block_size]                      # [Hkv, L]
+        offsets = slots % block_size
+        k = k_cache[blocks, heads, offsets].float()                      # [Hkv, L, D]
+        q_b = q[start:end].float().view(n, Hkv, G, D)
+        lse_b = lse[start:end].view(n, Hkv, G).permute(1, 2, 0)          # [Hkv, G, n]
+        logits = torch.einsum("nhgd,hld->hgnl", q_b, k) * scale
+        query_slot = context_len - n + torch.arange(n, device=q.device)
+        visible = slots[None, :] <= query_slot[:, None]                  # [n, L]
+        # Masked, not multiplied: exp of an unseen key's logit may overflow to inf.
+        probs = torch.exp(logits - lse_b[..., None]).masked_fill(~visible, 0.0)
+        score_cache[blocks, heads, offsets] += probs.sum(dim=(1, 2))
+
+
+@triton.jit
+def _accumulate_key_scores_kernel(
+        q_ptr, k_cache_ptr, score_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, lse_ptr,
+        scale,
+        stride_q_t, stride_q_h,
+        stride_k_block, stride_k_head, stride_k_slot,
+        stride_score_block, stride_score_head, stride_score_slot,
+        stride_table_seq, stride_table_head,
+        stride_lse_t, stride_lse_h,
+        G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+    """One program: BLOCK_N key slots of one KV head of one sequence, scored by
+    all the sequence's queries, BLOCK_Q tokens x G heads (= up to BLOCK_M rows) at a time.
+
+    The tile's sums stay in registers until the end and are then added to
+    score_cache with a plain load-add-store: no other program owns these slots.
+    """
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    context_len = tl.load(context_lens_ptr + seq)
+    first_slot = tile * BLOCK_N
+    if first_slot >= context_len:   # the grid is sized for the longest context
+        return
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    prefix_len = context_len - q_len   # slots before this step's tokens, seen by every query
+
+    # The tile's keys, each slot looked up in the block table on its own, so
+    # BLOCK_N need not match the block size.
+    slots = first_slot + tl.arange(0, BLOCK_N)
+    slot_mask = slots < context_len
+    table = block_tables_ptr + seq * stride_table_seq + kv_head * stride_table_head
+    # int64: block * stride can pass 2**31 elements in a large cache.
+    blocks = tl.load(table + slots // BLOCK_SIZE, mask=slot_mask, other=0).to(tl.int64)
+    offsets = slots % BLOCK_SIZE
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_mask = dims < HEAD_DIM
+    k = tl.load(k_cache_ptr + blocks[:, None] * stride_k_block + kv_head * stride_k_head
+                + offsets[:, None] * stride_k_slot + dims[None, :],
+                mask=slot_mask[:, None] & dim_mask[None, :], other=0.0)
+    if DOT_IN_FP32:
+        k = k.to(tl.float32)
+
+    # Row m of a query tile is token m // G, query head kv_head * G + m % G
+    # (vLLM's GQA packing); rows past BLOCK_Q * G are padding when G does not divide BLOCK_M.
+    rows = tl.arange(0, BLOCK_M)
+    q_heads = kv_head * G + rows % G
+    scores = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Query j sees slot s iff s <= prefix_len + j: queries before j = first_slot - prefix_len
+    # see none of this tile, so the loop starts there.
+    for first_query in range(tl.maximum(first_slot - prefix_len, 0), q_len, BLOCK_Q):
+        queries = first_query + rows // G
+        row_mask = (rows < BLOCK_Q * G) & (queries < q_len)
+        q = tl.load(q_ptr + (q_start + queries[:, None]) * stride_q_t + q_heads[:, None] * stride_q_h
+                    + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+        if DOT_IN_FP32:
+            q = q.to(tl.float32)
+        lse = tl.load(lse_ptr + (q_start + queries) * stride_lse_t + q_heads * stride_lse_h,
+                      mask=row_mask, other=0.0)
+        # "ieee" keeps fp32 dots out of TF32; fp16/bf16 dots are exact products either way.
+        logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        visible = (slots[None, :] <= prefix_len + queries[:, None]) & row_mask[:, None] & slot_mask[None, :]
+        # tl.where, not a multiply: exp of a masked-out logit may overflow to inf.
+        probs = tl.where(visible, tl.exp(logits - lse[:, None]), 0.0)
+        scores += tl.sum(probs, axis=0)
+
+    score_ptrs = (score_cache_ptr + blocks * stride_score_block + kv_head * stride_score_head
+                  + offsets * stride_score_slot)
+    tl.store(score_ptrs, tl.load(score_ptrs, mask=slot_mask) + scores, mask=slot_mask)
+
+
+def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                 context_lens: torch.Tensor, lse: torch.Tensor, scale: float,
+                                 max_query_len: int | None = None, max_context_len: int | None = None) -> None:
+    """accumulate_key_scores_ref as one Triton kernel that never materialises the
+    [queries x keys] probabilities: each program recomputes them tile by tile.
+
+    max_query_len / max_context_len (Python ints, upper bounds are fine) size
+    the launch; the caller usually knows them, which saves a device sync each.
+    """
+    Hq, D = q.shape[1:]
+    Hkv, block_size = k_cache.shape[1:3]
+    G = Hq // Hkv
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "head_dim must be contiguous"
+    assert score_cache.dtype == torch.float32 and lse.dtype == torch.float32
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    # Up to 64 query rows per dot (>= 16, the smallest tile tl.dot compiles on a
+    # GPU); fewer when the chunks are short, so decode rows do not pad to 64.
+    block_m = max(16, triton.next_power_of_2(G), min(64, triton.next_power_of_2(max_query_len * G)))
+    block_n = 64
+    grid = (len(context_lens), triton.cdiv(max_context_len, block_n), Hkv)
+    _accumulate_key_scores_kernel[grid](
+        q, k_cache, score_cache, block_tables, cu_seqlens_q, context_lens, lse,
+        scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        score_cache.stride(0), score_cache.stride(1), score_cache.stride(2),
+        *_block_table_strides(block_tables, Hkv),
+        lse.stride(0), lse.stride(1),
+        G=G, HEAD_DIM=D, HEAD_DIM_PADDED=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_Q=block_m // G, BLOCK_N=block_n,
+        DOT_IN_FP32=_dot_config(q.dtype)[0],   # the interpreter's bf16 tl.dot is wrong
+    )

@@ -1,0 +1,45 @@
+"""Named model shapes with random weights, for timing without downloading anything.
+
+Throughput does not depend on the weight values, so benchmarks build these
+from a config dict (the keys of an HF config.json) and fill them with noise.
+"""
+from __future__ import annotations
+
+import torch
+
+from models.decoder import Decoder
+from nanokv.config import ModelConfig
+
+SHAPES = {
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)),
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True),
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
+        rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
+}
+
+
+def random_model(name: str, dtype: torch.dtype, device: torch.device | str, max_len: int) -> Decoder:
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known shapes: {', '.join(SHAPES)}")
+    cfg = ModelConfig.from_hf(SHAPES[name])
+    with torch.device("meta"):
+        model = Decoder(cfg, max_len).to(dtype)
+    model = model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    for pname, p in model.named_parameters():
+        if "norm" in pname:
+            p.data.fill_(1.0)
+        else:
+            p.data.normal_(0.0, 0.02, generator=generator)
+    model.cos_sin = model.cos_sin.to(device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,76 @@
+"""Decode steps captured as CUDA graphs, one per batch-size bucket.
+
+A decode step of a small model is hundreds of short kernel launches; replaying
+a captured graph issues them all at once. Graphs replay fixed addresses, so
+every input lives in a static buffer: a real batch is copied in and padded up
+to the next bucket (padding rows: slot -1, context length 0, which the kernels
+skip). Logits and sampling stay outside the graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanokv.attention import AttentionMetadata
+from nanokv.kv_cache import KVCache
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 16, up to max_num_seqs."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 1, 16))
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, max_num_seqs: int,
+                 max_blocks_per_seq: int, max_model_len: int):
+        self.model, self.kv_cache, self.max_model_len = model, kv_cache, max_model_len
+        device = kv_cache.k.device
+        n = max_num_seqs
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.hidden = torch.zeros(n, model.config.hidden_size, dtype=kv_cache.k.dtype, device=device)
+        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = None
+        for bs in reversed(self.batch_sizes):   # largest first: smaller graphs reuse its memory
+            graph = torch.cuda.CUDAGraph()
+            self._forward(bs)                   # warm-up: compiles the Triton kernels
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(bs)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
+                                 context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
+                                 max_query_len=1, max_context_len=self.max_model_len)
+
+    @torch.inference_mode()
+    def _forward(self, bs: int) -> None:
+        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_cache, self._metadata(bs))
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.batch_sizes[-1]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The decode step of len(input_ids) sequences, through the smallest graph that holds them."""
+        n = input_ids.shape[0]
+        bs = next(s for s in self.batch_sizes if s >= n)
+        width = meta.block_tables.shape[1]
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = positions
+        self.slot_mapping[:n] = meta.slot_mapping
+        self.slot_mapping[n:bs] = -1
+        self.context_lens[:n] = meta.context_lens
+        self.context_lens[n:bs] = 0
+        self.block_tables[:n, :width] = meta.block_tables
+        self.graphs[bs].replay()
+        return self.hidden[:n]

@@ -1,0 +1,175 @@
+"""The elementwise Triton kernels against their torch references.
+
+On the CPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), so the shapes
+are small but keep the awkward cases: sizes that are not powers of 2, one token, GQA, strided
+views of a fused qkv output, unsorted positions, padding slots. Inputs are fresh random numbers
+each run (the seed is printed, so a failure can be replayed); freshly allocated outputs start as
+NaN, so an element a kernel forgets to write fails the comparison.
+"""
+import os
+
+import pytest
+import torch
+
+from helpers import KERNEL_DEVICE
+
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.kv_store import store_kv_ref, store_kv_triton
+from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (rtol, atol): a one-ulp disagreement in rounding must pass, anything more must not.
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
+
+RMS_SHAPES = [(1, 576), (37, 100), (37, 9, 64)]       # the last one per head, as Qwen3's q/k norm
+ROPE_CASES = [(1, 9, 3, 64), (37, 9, 3, 64), (37, 8, 8, 128)]    # (T, Hq, Hkv, D)
+SILU_SHAPES = [(1, 2 * 1536), (37, 2 * 100), (2, 3, 2 * 64)]
+KV_CASES = [(37, 16, 3, 64), (1, 32, 8, 128), (37, 256, 3, 64)]  # (T, block_size, Hkv, D)
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed():
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"torch seed {seed}")
+    torch.manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_empty(monkeypatch):
+    """torch.empty fills floats with NaN and integers with a sentinel, for the kernels' outputs."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -7)
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def assert_close(actual, expected):
+    rtol, atol = TOL[expected.dtype]
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+def split_heads(qkv, Hq, Hkv, D):
+    """q, k, v as the model gets them: strided [T, H, D] views into one projection output."""
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    return q.unflatten(-1, (Hq, D)), k.unflatten(-1, (Hkv, D)), v.unflatten(-1, (Hkv, D))
+
+
+def fused_qkv(T, Hq, Hkv, D, dtype, device):
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=dtype, device=device)
+    return qkv, *split_heads(qkv, Hq, Hkv, D)
+
+
+def check_rms_norm(shape, dtype, device):
+    weight = torch.randn(shape[-1], dtype=dtype, device=device)
+    if len(shape) == 3:  # per-head rows of a fused output: leading strides are not contiguous
+        x = fused_qkv(shape[0], shape[1], 1, shape[2], dtype, device)[1]
+    else:
+        x = torch.randn(shape, dtype=dtype, device=device)
+    x_before = x.clone()
+    assert_close(rms_norm_triton(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+    assert torch.equal(x, x_before)
+
+
+def check_add_rms_norm(shape, dtype, device):
+    x = torch.randn(shape, dtype=dtype, device=device)
+    residual = torch.randn(shape, dtype=dtype, device=device)
+    weight = torch.randn(shape[-1], dtype=dtype, device=device)
+    expected_out, expected_res = add_rms_norm_ref(x, residual.clone(), weight, 1e-5)
+    out, new_res = add_rms_norm_triton(x, residual, weight, 1e-5)
+    assert new_res.data_ptr() == residual.data_ptr()  # documented: written in place
+    assert_close(new_res, expected_res)
+    assert_close(out, expected_out)
+
+
+def check_rope(T, Hq, Hkv, D, dtype, device):
+    cos_sin = rope_cos_sin_cache(D, 4096, 1e5, None).to(device)
+    positions = torch.randint(0, 4096, (T,), device=device)  # unsorted, with repeats possible
+    qkv, q, k, _ = fused_qkv(T, Hq, Hkv, D, dtype, device)
+    expected = qkv.clone()
+    q_ref, k_ref, _ = split_heads(expected, Hq, Hkv, D)
+    apply_rope_ref(q_ref, k_ref, positions, cos_sin)
+    apply_rope_triton(q, k, positions, cos_sin)
+    assert_close(qkv, expected)  # the whole buffer: v and everything else untouched
+
+
+def check_silu_and_mul(shape, dtype, device):
+    gate_up = torch.randn(shape, dtype=dtype, device=device) * 4
+    assert_close(silu_and_mul_triton(gate_up), silu_and_mul_ref(gate_up))
+
+
+def check_store_kv(T, block_size, Hkv, D, dtype, device):
+    num_blocks = 6
+    _, _, k, v = fused_qkv(T, 2, Hkv, D, dtype, device)
+    # Distinct slots in random blocks, never the first or the last block: a padding token (-1)
+    # written by mistake at block -1 or at offset -1 of block 0 would land there.
+    interior = torch.arange(block_size, (num_blocks - 1) * block_size, device=device)
+    slot_mapping = interior[torch.randperm(len(interior), device=device)[:T]]
+    slot_mapping[torch.randperm(T, device=device)[:T // 4]] = -1  # padding tokens
+    positions = torch.randint(0, 4000, (T,), device=device)
+    cache_shape = (num_blocks, Hkv, block_size)
+    caches = [torch.full(cache_shape + (D,), float("nan"), dtype=dtype, device=device),
+              torch.full(cache_shape + (D,), float("nan"), dtype=dtype, device=device),
+              torch.full(cache_shape, -7, dtype=torch.int32, device=device),
+              torch.full(cache_shape, float("nan"), dtype=torch.float32, device=device)]
+    expected = [c.clone() for c in caches]
+    store_kv_ref(k, v, *expected, slot_mapping, positions)
+    store_kv_triton(k, v, *caches, slot_mapping, positions)
+    for actual, want in zip(caches, expected):
+        torch.testing.assert_close(actual, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", RMS_SHAPES)
+def test_rms_norm(shape, dtype):
+    check_rms_norm(shape, dtype, KERNEL_DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", RMS_SHAPES[:2])
+def test_add_rms_norm(shape, dtype):
+    check_add_rms_norm(shape, dtype, KERNEL_DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_rope(case, dtype):
+    check_rope(*case, dtype, KERNEL_DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SILU_SHAPES)
+def test_silu_and_mul(shape, dtype):
+    check_silu_and_mul(shape, dtype, KERNEL_DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", KV_CASES)
+def test_store_kv(case, dtype):
+    check_store_kv(*case, dtype, KERNEL_DEVICE)
+
+
+def test_bad_inputs_are_refused():
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        rms_norm_triton(x.t(), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm_triton(x, torch.randn(4, 64).t().contiguous().t(), torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul_triton(torch.randn(2, 7))
+
+
+@pytest.mark.gpu
+def test_all_on_gpu_in_bf16():
+    for shape in RMS_SHAPES:
+        check_rms_norm(shape, torch.bfloat16, "cuda")
+    for shape in RMS_SHAPES[:2]:
+        check_add_rms_norm(shape, torch.bfloat16, "cuda")
+    for case in ROPE_CASES:
+        check_rope(*case, torch.bfloat16, "cuda")
+    for shape in SILU_SHAPES:
+        check_silu_and_mul(shape, torch.bfloat16, "cuda")
+    for case in KV_CASES:
+        check_store_kv(*case, torch.bfloat16, "cuda")

@@ -1,0 +1,198 @@
+"""Key scores (kernels/key_scores.py) against a dense float64 softmax.
+
+The dense oracle is written out here, independent of the code under test: it
+builds each sequence's keys by walking its block table slot by slot, then
+takes a causal softmax in float64.
+"""
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from helpers import KERNEL_DEVICE
+
+from kernels.attention import paged_attention_ref
+from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor              # [T, Hq, D]
+    k_cache: torch.Tensor        # [num_blocks, Hkv, block_size, D]
+    score_cache: torch.Tensor    # [num_blocks, Hkv, block_size] fp32, random nonzero
+    block_tables: torch.Tensor   # [B, nb] or [B, Hkv, nb] int32, -1 past each sequence's blocks
+    cu_seqlens_q: torch.Tensor   # [B + 1] int32
+    context_lens: torch.Tensor   # [B] int32
+    scale: float
+
+    def to(self, device):
+        return Batch(*(getattr(self, f).to(device) for f in
+                       ("q", "k_cache", "score_cache", "block_tables", "cu_seqlens_q", "context_lens")),
+                     self.scale)
+
+
+def make_batch(seqs, num_kv_heads, group, head_dim, block_size, dtype, per_head_tables) -> Batch:
+    """Random inputs for sequences [(context_len, q_len), ...].
+
+    Blocks are scattered over a pool with spare blocks that no sequence owns;
+    per-head tables give every KV head its own scattering.
+    """
+    Hq = num_kv_heads * group
+    blocks_needed = [-(-context_len // block_size) for context_len, _ in seqs]
+    num_blocks = sum(blocks_needed) + 3
+    table_heads = num_kv_heads if per_head_tables else 1
+    tables = torch.full((len(seqs), table_heads, max(blocks_needed)), -1, dtype=torch.int32)
+    for h in range(table_heads):
+        pool = torch.randperm(num_blocks, dtype=torch.int32).tolist()
+        for b, n in enumerate(blocks_needed):
+            tables[b, h, :n] = torch.tensor([pool.pop() for _ in range(n)])
+    q_lens = torch.tensor([q_len for _, q_len in seqs])
+    return Batch(
+        # Larger than unit logits, so the softmax is far from uniform.
+        q=(3 * torch.randn(int(q_lens.sum()), Hq, head_dim)).to(dtype),
+        k_cache=torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype),
+        score_cache=torch.rand(num_blocks, num_kv_heads, block_size) + 0.5,
+        block_tables=tables if per_head_tables else tables[:, 0],
+        cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()]),
+        context_lens=torch.tensor([context_len for context_len, _ in seqs], dtype=torch.int32),
+        scale=head_dim ** -0.5,
+    )
+
+
+def dense_logits(batch: Batch, b: int):
+    """Sequence b's scaled logits [Hkv, G, n, L] in float64 (-inf where the query
+    cannot see the key) and the slot addresses (blocks [Hkv, L], offsets [L]),
+    from the block table walked slot by slot."""
+    Hkv, block_size = batch.k_cache.shape[1:3]
+    start, end = int(batch.cu_seqlens_q[b]), int(batch.cu_seqlens_q[b + 1])
+    n, context_len = end - start, int(batch.context_lens[b])
+    table = batch.block_tables[b] if batch.block_tables.dim() == 3 else batch.block_tables[b].expand(Hkv, -1)
+    blocks = torch.tensor([[int(table[h, s // block_size]) for s in range(context_len)] for h in range(Hkv)])
+    offsets = torch.arange(context_len) % block_size
+    k = torch.stack([torch.stack([batch.k_cache[blocks[h, s], h, offsets[s]] for s in range(context_len)])
+                     for h in range(Hkv)]).double()                               # [Hkv, L, D]
+    q = batch.q[start:end].double().unflatten(1, (Hkv, -1))                       # [n, Hkv, G, D]
+    logits = torch.einsum("nhgd,hld->hgnl", q, k) * batch.scale
+    visible = torch.arange(context_len)[None, :] <= (context_len - n + torch.arange(n))[:, None]
+    return logits.masked_fill(~visible, float("-inf")), blocks, offsets
+
+
+def by_kv_head(lse: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """lse [n, Hq] -> [Hkv, G, n], the layout of dense_logits."""
+    return lse.T.unflatten(0, (num_kv_heads, -1))
+
+
+def dense_expectation(batch: Batch):
+    """The updated score cache (float64), which slots it touched, and the lse [T, Hq] (fp32)."""
+    expected = batch.score_cache.double().clone()
+    touched = torch.zeros_like(batch.score_cache, dtype=torch.bool)
+    lses = []
+    heads = torch.arange(batch.k_cache.shape[1])[:, None]
+    for b in range(len(batch.context_lens)):
+        logits, blocks, offsets = dense_logits(batch, b)
+        expected[blocks, heads, offsets] += logits.softmax(dim=-1).sum(dim=(1, 2))
+        touched[blocks, heads, offsets] = True
+        lses.append(logits.logsumexp(dim=-1).flatten(0, 1).T)
+    return expected, touched, torch.cat(lses).float()
+
+
+def assert_scores(batch: Batch, initial: torch.Tensor, expected: torch.Tensor, touched: torch.Tensor,
+                  tol: float = 1e-5):
+    result = batch.score_cache.cpu()
+    assert torch.equal(result[~touched], initial[~touched]), "a slot outside every context changed"
+    torch.testing.assert_close(result.double(), expected, rtol=tol, atol=tol)
+
+
+# Context lengths 1 and block_size +- 1; decode rows (q_len 1) next to
+# prefill chunks with earlier context; chunks longer than one query tile.
+CASES = {
+    "bs16-d64-g1": dict(block_size=16, head_dim=64, group=1, num_kv_heads=2,
+                        seqs=[(1, 1), (15, 1), (16, 16), (17, 5), (90, 70)]),
+    "bs32-d128-g3": dict(block_size=32, head_dim=128, group=3, num_kv_heads=2,
+                         seqs=[(31, 1), (32, 32), (33, 9), (1, 1), (70, 25)]),
+    "bs64-d64-g4": dict(block_size=64, head_dim=64, group=4, num_kv_heads=2,
+                        seqs=[(63, 63), (64, 1), (65, 20), (1, 1), (130, 30)]),
+    "bs16-d128-g8": dict(block_size=16, head_dim=128, group=8, num_kv_heads=1,
+                         seqs=[(17, 17), (16, 1), (100, 3), (15, 15)]),
+}
+
+
+@pytest.mark.parametrize("per_head_tables", [False, True], ids=["shared-table", "per-head-tables"])
+@pytest.mark.parametrize("case", CASES)
+def test_reference_matches_dense(case, per_head_tables):
+    batch = make_batch(**CASES[case], dtype=torch.float32, per_head_tables=per_head_tables)
+    expected, touched, lse = dense_expectation(batch)
+    initial = batch.score_cache.clone()
+    accumulate_key_scores_ref(batch.q, batch.k_cache, batch.score_cache, batch.block_tables,
+                              batch.cu_seqlens_q, batch.context_lens, lse, batch.scale)
+    assert_scores(batch, initial, expected, touched)
+
+
+def test_attention_lse_gives_probabilities_summing_to_one():
+    """With the lse of paged_attention_ref, exp(logit - lse) is each query's
+    softmax: it sums to 1 over the keys the query sees, so each (sequence,
+    KV head) gains exactly q_len * G in total."""
+    case = CASES["bs16-d64-g1"] | dict(group=4)
+    batch = make_batch(**case, dtype=torch.float32, per_head_tables=False)
+    v_cache = torch.randn_like(batch.k_cache)
+    padded_with_0 = batch.block_tables.clamp(min=0)   # as the engine pads: the reference gathers whole rows
+    _, lse = paged_attention_ref(batch.q, batch.k_cache, v_cache, padded_with_0, batch.cu_seqlens_q,
+                                 batch.context_lens, batch.scale, return_lse=True)
+    Hkv = batch.k_cache.shape[1]
+    initial = batch.score_cache.clone()
+    accumulate_key_scores_ref(batch.q, batch.k_cache, batch.score_cache, batch.block_tables,
+                              batch.cu_seqlens_q, batch.context_lens, lse, batch.scale)
+    gained = (batch.score_cache - initial).double()
+    heads = torch.arange(Hkv)[:, None]
+    for b in range(len(batch.context_lens)):
+        logits, blocks, offsets = dense_logits(batch, b)
+        start, end = int(batch.cu_seqlens_q[b]), int(batch.cu_seqlens_q[b + 1])
+        probs = torch.exp(logits - by_kv_head(lse[start:end].double(), Hkv)[..., None])
+        torch.testing.assert_close(probs.sum(dim=-1), torch.ones(probs.shape[:-1], dtype=torch.float64),
+                                   rtol=0, atol=1e-5)
+        q_len_times_g = torch.full((Hkv,), float(probs.shape[1] * probs.shape[2]), dtype=torch.float64)
+        torch.testing.assert_close(gained[blocks, heads, offsets].sum(dim=-1), q_len_times_g, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("per_head_tables", [False, True], ids=["shared-table", "per-head-tables"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("case", CASES)
+def test_triton_matches_dense(case, dtype, per_head_tables):
+    """Under the interpreter bf16 runs through the fp32-dot path; on a GPU, through bf16 dots."""
+    batch = make_batch(**CASES[case], dtype=dtype, per_head_tables=per_head_tables)
+    expected, touched, lse = dense_expectation(batch)
+    initial = batch.score_cache.clone()
+    seqs = CASES[case]["seqs"]
+    batch = batch.to(KERNEL_DEVICE)
+    accumulate_key_scores_triton(batch.q, batch.k_cache, batch.score_cache, batch.block_tables,
+                                 batch.cu_seqlens_q, batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale,
+                                 max_query_len=max(q for _, q in seqs), max_context_len=max(c for c, _ in seqs))
+    assert_scores(batch, initial, expected, touched, tol=1e-4 if KERNEL_DEVICE == "cuda" else 1e-5)
+
+
+def test_triton_launch_hints_are_optional_upper_bounds():
+    """Without hints the kernel reads them from the tensors; loose ones only add idle programs."""
+    batch = make_batch(**CASES["bs32-d128-g3"], dtype=torch.float32, per_head_tables=True)
+    expected, touched, lse = dense_expectation(batch)
+    initial = batch.score_cache.clone()
+    args = (batch.q, batch.k_cache, batch.score_cache, batch.block_tables, batch.cu_seqlens_q,
+            batch.context_lens, lse, batch.scale)
+    accumulate_key_scores_triton(*args)
+    accumulate_key_scores_triton(*args, max_query_len=100, max_context_len=300)
+    twice = 2 * expected - initial.double()   # both calls added the same probabilities
+    assert_scores(batch, initial, twice, touched)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", CASES)
+def test_triton_matches_dense_cuda(case, dtype):
+    """Compiled for a real GPU: bf16 tensor-core dots, fp32 dots kept out of TF32."""
+    batch = make_batch(**CASES[case], dtype=dtype, per_head_tables=True)
+    expected, touched, lse = dense_expectation(batch)
+    initial = batch.score_cache.clone()
+    cuda = batch.to("cuda")
+    accumulate_key_scores_triton(cuda.q, cuda.k_cache, cuda.score_cache, cuda.block_tables,
+                                 cuda.cu_seqlens_q, cuda.context_lens, lse.cuda(), cuda.scale)
+    torch.cuda.synchronize()
+    assert_scores(cuda, initial, expected, touched, tol=1e-4)
