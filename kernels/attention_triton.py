@@ -106,6 +106,21 @@ def _kv_offsets(table_ptr, slots, valid, BLOCK_SIZE: tl.constexpr, stride_block,
 
 
 @triton.jit
+def _load_kv_tile(k_ptr, v_ptr, table, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE: tl.constexpr,
+                  stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, UPCAST: tl.constexpr):
+    """The K and V rows [BLOCK_N, HEAD_DIM_PAD] of the given slots of one KV head
+    (zeros where a slot or a dimension is not valid)."""
+    k_offs = _kv_offsets(table, slots, slot_valid, BLOCK_SIZE, stride_kb, stride_ks) + kv_head * stride_kh
+    v_offs = _kv_offsets(table, slots, slot_valid, BLOCK_SIZE, stride_vb, stride_vs) + kv_head * stride_vh
+    kv_mask = slot_valid[:, None] & dim_valid[None, :]
+    k = tl.load(k_ptr + k_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + v_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def _online_softmax_step(acc, m, l, s, v, DOT_PRECISION: tl.constexpr):
     """Fold one key tile into the running softmax of each query row.
 
@@ -171,13 +186,8 @@ def _paged_attention_kernel(
     for n in range(0, kv_end, BLOCK_N):
         slots = n + tl.arange(0, BLOCK_N)
         slot_valid = slots < kv_end
-        k_offs = _kv_offsets(table, slots, slot_valid, BLOCK_SIZE, stride_kb, stride_ks) + kv_head * stride_kh
-        v_offs = _kv_offsets(table, slots, slot_valid, BLOCK_SIZE, stride_vb, stride_vs) + kv_head * stride_vh
-        kv_mask = slot_valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_ptr + k_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + v_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = _load_kv_tile(k_ptr, v_ptr, table, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE,
+                             stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = slots[None, :] <= (prior + token)[:, None]    # causal by slot; implies slot < kv_end
         s = tl.where(visible, s, float("-inf"))
@@ -304,13 +314,8 @@ def _decode_split_kernel(
     for n in range(start, end, BLOCK_N):              # slot n is visible: rows get a finite score
         slots = n + tl.arange(0, BLOCK_N)
         slot_valid = slots < end
-        k_offs = _kv_offsets(table, slots, slot_valid, BLOCK_SIZE, stride_kb, stride_ks) + kv_head * stride_kh
-        v_offs = _kv_offsets(table, slots, slot_valid, BLOCK_SIZE, stride_vb, stride_vs) + kv_head * stride_vh
-        kv_mask = slot_valid[:, None] & dim_valid[None, :]
-        k = tl.load(k_ptr + k_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + v_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v = _load_kv_tile(k_ptr, v_ptr, table, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE,
+                             stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(slot_valid[None, :], s, float("-inf"))
         if SAVE_LOGITS:   # kept for the merge kernel, which knows the final lse
