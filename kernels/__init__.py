@@ -11,7 +11,8 @@ import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention import paged_attention_ref
-from kernels.attention_triton import paged_attention_triton, paged_decode_attention_triton
+from kernels.attention_triton import paged_attention_triton
+from kernels.decode_attention import paged_decode_attention_triton
 from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from kernels import attention_triton as attn
 from kernels import decode_num_splits
+from kernels.attention_triton import paged_attention_triton
+from kernels.decode_attention import decode_workspace, paged_decode_attention_triton
 from kernels.activation import silu_and_mul_triton
 from kernels.norm import rms_norm_triton
 from kernels.rope import apply_rope_triton, rope_cos_sin_cache
@@ -68,8 +69,8 @@ def bench_decode(bw: float, quick: bool) -> list[str]:
             q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
             lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
             splits = decode_num_splits(batch, hkv, ctx)
-            work = attn.decode_workspace(batch, hq, d, splits, tables.shape[1] * block, False, "cuda")
-            t = ms(lambda: attn.paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5, splits,
+            work = decode_workspace(batch, hq, d, splits, tables.shape[1] * block, False, "cuda")
+            t = ms(lambda: paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5, splits,
                                                               workspace=work))
             kc, vc = contiguous_kv(k, tables, ctx), contiguous_kv(v, tables, ctx)
             del k, v
@@ -92,7 +93,7 @@ def bench_prefill() -> list[str]:
         q = torch.randn(q_len, hq, d, device="cuda", dtype=dtype)
         cu = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
         lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
-        t = ms(lambda: attn.paged_attention_triton(q, k, v, tables, cu, lens, d ** -0.5, max_query_len=q_len))
+        t = ms(lambda: paged_attention_triton(q, k, v, tables, cu, lens, d ** -0.5, max_query_len=q_len))
         kc, vc = contiguous_kv(k, tables, ctx), contiguous_kv(v, tables, ctx)
         qs = q.transpose(0, 1)[None]   # [1, Hq, q_len, D]
         # causal with the queries at the end of the context: an explicit offset mask is not flash,

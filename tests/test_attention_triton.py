@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from helpers import KERNEL_DEVICE
-
 from kernels.attention import paged_attention_ref
-from kernels.attention_triton import (decode_workspace, paged_attention_triton,
-                                      paged_decode_attention_triton)
+from kernels.attention_triton import paged_attention_triton
+from kernels.decode_attention import decode_workspace, paged_decode_attention_triton
 
 # (out, lse) absolute = relative tolerances. 16-bit outputs are rounded once,
 # and the probabilities meet V in 16 bits, as in every flash-attention kernel;
