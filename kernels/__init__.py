@@ -12,6 +12,7 @@ import torch
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention import paged_attention_ref
 from kernels.attention_triton import paged_attention_triton
+from kernels.compact import compact_kv
 from kernels.decode_attention import paged_decode_attention_triton
 from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
@@ -80,5 +81,5 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     return result
 
 
-__all__ = ["BACKEND", "add_rms_norm", "apply_rope", "decode_num_splits", "paged_attention", "rms_norm",
+__all__ = ["BACKEND", "add_rms_norm", "apply_rope", "compact_kv", "decode_num_splits", "paged_attention", "rms_norm",
            "rope_cos_sin_cache", "silu_and_mul", "store_kv"]

@@ -63,7 +63,8 @@ class Attention(nn.Module):
                          meta.slot_mapping, positions)
         out = kernels.paged_attention(q, layer.k, layer.v, meta.block_tables, meta.cu_seqlens_q,
                                       meta.context_lens, self.scale, max_query_len=meta.max_query_len,
-                                      max_context_len=meta.max_context_len)
+                                      max_context_len=meta.max_context_len,
+                                      score_cache=layer.scores if meta.accumulate_scores else None)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

@@ -18,3 +18,4 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # [B, max_blocks] int32: the sequence's blocks, padded with 0
     max_query_len: int           # longest query chunk (1: a pure decode step)
     max_context_len: int         # an upper bound of context_lens (decode graphs: max_model_len)
+    accumulate_scores: bool = False  # add each key's attention probabilities to its slot's score

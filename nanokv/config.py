@@ -105,6 +105,10 @@ class EngineConfig:
     max_model_len: int | None = None    # prompt + output limit; default: the model's context
     seed: int = 0                       # for requests that give no seed of their own
     enforce_eager: bool = False         # CUDA: no decode graphs (debugging, profiling)
+    # Defaults for requests whose SamplingParams leave them unset (nanokv/eviction.py).
+    kv_method: str = "full"             # "full", "batchmax", "decode_only" or "ed"
+    kv_budget: int = 1024               # |kv|: most KV pairs kept per KV head
+    evict_every: int = 64               # p: pairs evicted at a time
 
     def __post_init__(self):
         if self.block_size < 1:

@@ -51,7 +51,10 @@ class DecodeGraphs:
     def _metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
                                  context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
-                                 max_query_len=1, max_context_len=self.max_model_len)
+                                 max_query_len=1, max_context_len=self.max_model_len,
+                                 # always on: evicting and full sequences share the graphs, and
+                                 # the scores cost a few bytes per slot against K and V's hundreds
+                                 accumulate_scores=True)
 
     @torch.inference_mode()
     def _forward(self, bs: int) -> None:

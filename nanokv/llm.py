@@ -21,7 +21,8 @@ from nanokv.loader import resolve_model_path
 from nanokv.runner import ModelRunner
 from nanokv.sampling import SamplingParams
 from nanokv.scheduler import Scheduler
-from nanokv.sequence import Sequence
+from nanokv.eviction import KVMethod, make_method
+from nanokv.sequence import PromptLogprob, Sequence
 from nanokv.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int]
@@ -39,6 +40,8 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None   # "stop" (EOS, stop token or string), "length" or "abort"
+    prompt_logprobs: list[PromptLogprob | None] | None = None   # with SamplingParams(prompt_logprobs=True)
+    kept_positions: torch.Tensor | None = None   # [layers, kv_heads, n], with return_kept_positions, at the end
 
 
 @dataclass
@@ -114,15 +117,30 @@ class LLM:
         """Queue a request; returns its id. A bad request raises and changes nothing."""
         return self._queue(prompt, self._prompt_ids(prompt), params)
 
-    def _queue(self, prompt: Prompt, ids: list[int], params: SamplingParams | None) -> int:
-        params = params or SamplingParams()
+    def _method(self, params: SamplingParams) -> KVMethod:
+        """The request's eviction method, its unset fields taken from the engine defaults."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        cfg = self.config
+        name = params.kv_method or cfg.kv_method
+        method = make_method(name, cfg.kv_budget if params.kv_budget is None else params.kv_budget,
+                             cfg.evict_every if params.evict_every is None else params.evict_every,
+                             cfg.block_size)
+        if params.return_kept_positions and name == "full":
+            raise ValueError("return_kept_positions needs an evicting kv_method (batchmax, decode_only, ed); "
+                             "with full every position is kept")
+        return method
+
+    def _queue(self, prompt: Prompt, ids: list[int], params: SamplingParams | None) -> int:
+        params = params or SamplingParams()
+        method = self._method(params)
         request_id = next(self._ids)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.runner.device).manual_seed(params.seed)
-        seq = Sequence(request_id, ids, params, generator=generator)
+        seq = Sequence(request_id, ids, params, method=method, generator=generator,
+                       max_slots=min(len(ids) + params.max_tokens, self.config.max_model_len) - 1,
+                       prompt_logprobs=[None] * len(ids) if params.prompt_logprobs else None)
         self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
                                              IncrementalDetokenizer(self.tokenizer, ids))
         self.scheduler.add(seq)
@@ -146,8 +164,14 @@ class LLM:
                 raise RuntimeError("requests are waiting but none can be scheduled")
             return []
         sampled = self.runner.run(batch)
-        self.scheduler.update(batch, sampled)
+        for seq, reason in self.scheduler.update(batch, sampled):
+            self._finish(seq, reason)
         return [self._emit(self.requests[seq_id], token) for seq_id, token in sampled.items()]
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.params.return_kept_positions:   # read before the blocks go back to the pool
+            seq.kept_positions = self.runner.kept_positions(seq)
+        self.scheduler.finish(seq, reason)
 
     def _emit(self, request: _Request, token: int) -> RequestOutput:
         seq = request.seq
@@ -158,7 +182,7 @@ class LLM:
         hit = [i for i in (request.text.find(s) for s in stops) if i >= 0]
         if hit:
             request.text = request.text[:min(hit)]
-            self.scheduler.finish(seq, "stop")
+            self._finish(seq, "stop")
         # While running, hold back a tail that might still grow into a stop string.
         held = 0 if seq.is_finished or not stops else max(map(len, stops)) - 1
         upto = max(request.streamed, len(request.text) - held)
@@ -167,7 +191,9 @@ class LLM:
             del self.requests[seq.seq_id]
         return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids,
                              request.text[:upto], list(seq.output_token_ids), new_text, [token],
-                             seq.is_finished, seq.finish_reason)
+                             seq.is_finished, seq.finish_reason,
+                             prompt_logprobs=seq.prompt_logprobs if seq.is_finished else None,
+                             kept_positions=seq.kept_positions)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -179,8 +205,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         for sp in params:   # check everything before queueing anything
-            if sp is not None and not isinstance(sp, SamplingParams):
-                raise TypeError(f"expected SamplingParams, got {type(sp).__name__}")
+            self._method(sp or SamplingParams())
         token_ids = [self._prompt_ids(p) for p in prompts]
         ids = [self._queue(p, t, sp) for p, t, sp in zip(prompts, token_ids, params)]
         pending, results = set(ids), {}

@@ -5,6 +5,7 @@ model, the KV cache tensors and the sampler.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,7 +17,22 @@ from nanokv.cuda_graphs import DecodeGraphs
 from nanokv.kv_cache import KVCache
 from nanokv.loader import load_model
 from nanokv.sampling import Sampler
-from nanokv.scheduler import ScheduledBatch
+from nanokv.scheduler import Eviction, ScheduledBatch
+from nanokv.sequence import PromptLogprob, Sequence
+
+LOGPROB_SLICE = 512   # prompt rows turned into vocabulary logits at a time
+
+
+@dataclass
+class StepInputs:
+    """One step's flat inputs, and which rows of its hidden states get logits."""
+    input_ids: torch.Tensor = None
+    positions: torch.Tensor = None
+    meta: AttentionMetadata = None
+    sample_rows: list[int] = field(default_factory=list)           # last row of chunks that end a sequence
+    sampled_seqs: list[Sequence] = field(default_factory=list)
+    logprob_rows: list[int] = field(default_factory=list)          # rows predicting a prompt token
+    logprob_targets: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, prompt index)
 
 
 class ModelRunner:
@@ -77,49 +93,97 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
             context_lens=torch.tensor([n], dtype=torch.int32, device=device),
             block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-            max_query_len=n, max_context_len=n)
+            max_query_len=n, max_context_len=n, accumulate_scores=True)
         positions = torch.arange(n, device=device)
         hidden = self.model(torch.zeros(n, dtype=torch.long, device=device), positions, scratch, meta)
         self.model.compute_logits(hidden[-self.config.max_num_seqs:])
 
-    def prepare(self, batch: ScheduledBatch):
-        """Flatten the batch: token ids, positions, metadata, and which rows (of which
-        sequences) to sample from: the last row of every chunk that ends its sequence."""
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Flatten the batch into the step's tensors and note which rows get logits."""
+        step = StepInputs()
         ids, positions, slots, cu_seqlens, context_lens = [], [], [], [0], []
-        sample_rows, sampled_seqs = [], []
         bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
+            start, first_slot = seq.num_computed_tokens, seq.num_kv_slots
             ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += (seq.block_table[i // bs] * bs + i % bs for i in range(start, start + n))
+            positions += range(start, start + n)   # true positions, also after eviction
+            slots += (seq.block_table[i // bs] * bs + i % bs for i in range(first_slot, first_slot + n))
             cu_seqlens.append(cu_seqlens[-1] + n)
-            context_lens.append(start + n)
+            context_lens.append(first_slot + n)
+            if seq.prompt_logprobs is not None:   # rows predicting a prompt token
+                last = min(start + n, len(seq.prompt_token_ids) - 1)
+                step.logprob_rows += range(cu_seqlens[-2], cu_seqlens[-2] + last - start)
+                step.logprob_targets += ((seq, i + 1) for i in range(start, last))
             if start + n == seq.num_tokens:   # the chunk reaches the end: sample the next token
-                sample_rows.append(cu_seqlens[-1] - 1)
-                sampled_seqs.append(seq)
+                step.sample_rows.append(cu_seqlens[-1] - 1)
+                step.sampled_seqs.append(seq)
         width = max(len(seq.block_table) for seq in batch.seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
 
         def tensor(x, dtype):
             return torch.tensor(x, dtype=dtype, device=self.device)
-        meta = AttentionMetadata(slot_mapping=tensor(slots, torch.long),
-                                 cu_seqlens_q=tensor(cu_seqlens, torch.int32),
-                                 context_lens=tensor(context_lens, torch.int32),
-                                 block_tables=tensor(tables, torch.int32),
-                                 max_query_len=max(batch.num_new_tokens), max_context_len=max(context_lens))
-        return tensor(ids, torch.long), tensor(positions, torch.long), meta, sample_rows, sampled_seqs
+        step.input_ids, step.positions = tensor(ids, torch.long), tensor(positions, torch.long)
+        step.meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.long), cu_seqlens_q=tensor(cu_seqlens, torch.int32),
+            context_lens=tensor(context_lens, torch.int32), block_tables=tensor(tables, torch.int32),
+            max_query_len=max(batch.num_new_tokens), max_context_len=max(context_lens),
+            accumulate_scores=any(seq.method.needs_scores for seq in batch.seqs))
+        return step
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
-        """One forward pass; returns seq_id -> sampled token for sequences that reached their end."""
-        ids, positions, meta, sample_rows, sampled_seqs = self.prepare(batch)
+        """Evict, then one forward pass; returns seq_id -> sampled token for the
+        sequences whose chunk reached their end."""
+        for eviction in batch.evictions:
+            self.evict(eviction)
+        step = self.prepare(batch)
+        meta = step.meta
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(len(batch)):
-            hidden = self.graphs.run(ids, positions, meta)
+            hidden = self.graphs.run(step.input_ids, step.positions, meta)
         else:
-            hidden = self.model(ids, positions, self.kv_cache, meta)
-        if not sample_rows:
+            hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
+        if step.logprob_rows:
+            self._record_prompt_logprobs(hidden, step)
+        if not step.sample_rows:
             return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
-        tokens = self.sampler(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
-        return dict(zip((s.seq_id for s in sampled_seqs), tokens.tolist()))
+        seqs = step.sampled_seqs
+        logits = self.model.compute_logits(hidden[step.sample_rows])
+        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return dict(zip((s.seq_id for s in seqs), tokens.tolist()))
+
+    def _record_prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> None:
+        """Score each prompt token by the logits of the row before it, a slice at a time
+        (a full [rows, vocab] matrix for a long chunk would be large)."""
+        for at in range(0, len(step.logprob_rows), LOGPROB_SLICE):
+            rows = step.logprob_rows[at:at + LOGPROB_SLICE]
+            targets = step.logprob_targets[at:at + LOGPROB_SLICE]
+            logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
+            token_ids = torch.tensor([seq.prompt_token_ids[i] for seq, i in targets], device=self.device)
+            chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
+            top_logprob, top_token = logprobs.max(dim=-1)
+            for (seq, i), lp, tok, tlp in zip(targets, chosen, top_token.tolist(), top_logprob.tolist()):
+                seq.prompt_logprobs[i] = PromptLogprob(lp, tok, tlp)
+
+    def evict(self, eviction: Eviction) -> None:
+        """Drop eviction.num_evicted pairs from every (layer, KV head) of one sequence, each
+        head choosing by its method's ranking, and compact the survivors into the first slots
+        (in their old order, so slot order stays position order)."""
+        seq, n = eviction.seq, eviction.num_slots
+        table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
+        positions = self.read_slots(self.kv_cache.positions, table, n)
+        scores = self.read_slots(self.kv_cache.scores, table, n)
+        priority = seq.method.keep_priority(scores, positions, seq.num_computed_tokens - 1)
+        # Stable ascending sort: the lowest priority goes first, ties by slot (= by position).
+        keep = priority.argsort(dim=-1, stable=True)[..., eviction.num_evicted:].sort(dim=-1).values
+        kernels.compact_kv(self.kv_cache.k, self.kv_cache.v, self.kv_cache.positions, self.kv_cache.scores,
+                           table, keep)
+
+    def read_slots(self, per_slot: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+        """The first n slots of one sequence from a per-slot buffer [L, blocks, H, bs] -> [L, H, n]."""
+        pages = per_slot[:, table[:-(-n // self.block_size)]]       # [L, nb, H, bs]
+        return pages.transpose(1, 2).flatten(2)[:, :, :n]
+
+    def kept_positions(self, seq: Sequence) -> torch.Tensor:
+        """The original positions of the pairs seq holds, per layer and KV head: [L, H, n]."""
+        table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
+        return self.read_slots(self.kv_cache.positions, table, seq.num_kv_slots).cpu()

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanokv.eviction import METHODS
+
 
 @dataclass
 class SamplingParams:
@@ -16,6 +18,12 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings, not included in the text
+    # KV-cache eviction (nanokv/eviction.py); None takes the engine's default.
+    kv_method: str | None = None        # "full", "batchmax", "decode_only" or "ed"
+    kv_budget: int | None = None        # |kv|: most KV pairs kept per KV head
+    evict_every: int | None = None      # p: pairs evicted at a time (batchmax, decode_only)
+    return_kept_positions: bool = False  # output: positions each (layer, KV head) kept at the end
+    prompt_logprobs: bool = False       # output: log-probability of every prompt token
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -30,6 +38,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.kv_method is not None and self.kv_method not in METHODS:
+            raise ValueError(f"unknown kv_method {self.kv_method!r}; use one of {', '.join(METHODS)}")
 
 
 class Sampler:

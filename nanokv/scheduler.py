@@ -1,17 +1,19 @@
-"""Which sequences run in the next step, and how many tokens each.
+"""Which sequences run in the next step, how many tokens each, and who evicts.
 
 Continuous batching: sequences join and leave the running set every step.
-Each step fills a token budget: first one token per decoding sequence, then
-chunks of unfinished prompts, then newly admitted prompts. A sequence is
-admitted only when the pool has blocks for its whole prompt; when a decoding
-sequence needs a block and none is free, the most recently admitted sequence
-is preempted: its blocks are freed and it goes back to the front of the
-waiting queue, to be recomputed from its tokens when there is room.
+Each step fills a token budget: first the running sequences (one token per
+decoding sequence, or the next chunk of an unfinished prompt), then newly
+admitted prompts. Admission reserves blocks for what a sequence can hold at
+its peak: its prompt with a full cache, only its budget |kv| when it evicts
+as it reads the prompt (nanokv/eviction.py). When a sequence needs a block
+and none is free, the most recently admitted sequence is preempted: its
+blocks are freed and it goes back to the front of the waiting queue, to be
+recomputed from its tokens when there is room.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanokv.config import EngineConfig
 from nanokv.kv_cache import BlockManager
@@ -19,9 +21,18 @@ from nanokv.sequence import Sequence, Status
 
 
 @dataclass
+class Eviction:
+    """Before this step's forward pass, seq drops num_evicted of its num_slots pairs per head."""
+    seq: Sequence
+    num_evicted: int
+    num_slots: int
+
+
+@dataclass
 class ScheduledBatch:
-    seqs: list[Sequence]
-    num_new_tokens: list[int]   # tokens each sequence runs this step
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)   # tokens each sequence runs this step
+    evictions: list[Eviction] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -43,72 +54,89 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch([], [])
+        batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status != Status.RUNNING:   # preempted earlier in this loop
-                continue
-            if seq.num_uncomputed_tokens == 1 and not self._make_room_for_next_token(seq):
-                continue                       # seq itself was preempted
-            n = min(seq.num_uncomputed_tokens, budget)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            if seq.status == Status.RUNNING:   # not preempted earlier in this loop
+                budget -= self._plan(seq, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            needed = self.blocks.blocks_for(seq.num_tokens)
+            needed = self.blocks.blocks_for(seq.method.reserve_slots(seq))
             if not self.blocks.can_allocate(needed):
                 break
             self.waiting.popleft()
             seq.block_table = self.blocks.allocate(needed)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-            budget -= n
+            budget -= self._plan(seq, budget, batch)
         return batch
 
-    def _make_room_for_next_token(self, seq: Sequence) -> bool:
-        """Give seq a block for its next slot if it needs one, preempting newer sequences
-        if the pool is empty. False if seq itself had to be preempted."""
-        if seq.num_computed_tokens < len(seq.block_table) * self.blocks.block_size:
+    def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        """Put seq's next chunk (and the eviction before it) in the batch; returns its
+        length, 0 if seq had to be preempted for lack of blocks."""
+        evict = seq.method.evict_count(seq)
+        slots = seq.num_kv_slots - evict
+        n = min(budget, seq.method.max_chunk(seq, slots))
+        if not self._make_room(seq, slots + n):
+            return 0
+        if evict:
+            batch.evictions.append(Eviction(seq, evict, seq.num_kv_slots))
+            seq.num_kv_slots = slots   # the runner compacts before the forward pass
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        return n
+
+    def _make_room(self, seq: Sequence, num_slots: int) -> bool:
+        """Give seq blocks for num_slots slots, preempting newer sequences if the pool is
+        empty. False if seq itself had to be preempted."""
+        missing = self.blocks.blocks_for(num_slots) - len(seq.block_table)
+        if missing <= 0:
             return True
-        while not self.blocks.can_allocate(1):
+        while not self.blocks.can_allocate(missing):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
-        seq.block_table += self.blocks.allocate(1)
+        seq.block_table += self.blocks.allocate(missing)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_kv_slots = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> None:
-        """Record the step: tokens computed, tokens sampled (seq_id -> token), finished sequences."""
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[tuple[Sequence, str]]:
+        """Record the step: tokens computed, blocks emptied by eviction, tokens sampled
+        (seq_id -> token). Returns the sequences now done, with why; the caller finishes them."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+            seq.num_kv_slots += n
+        for eviction in batch.evictions:   # compacted: trailing blocks beyond its steady size go back
+            seq = eviction.seq
+            keep = self.blocks.blocks_for(max(seq.num_kv_slots, seq.method.steady_slots(seq)))
+            self.blocks.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+        done = []
+        for seq in batch.seqs:
             token = sampled.get(seq.seq_id)
             if token is None:
                 continue
             seq.output_token_ids.append(token)
             p = seq.params
             if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-                self.finish(seq, "stop")
+                done.append((seq, "stop"))
             elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
-                self.finish(seq, "length")
+                done.append((seq, "length"))
+        return done
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End seq (also from outside: stop strings, abort) and return its blocks."""
+        """End seq (when done, on a stop string, on abort) and return its blocks."""
         if seq.is_finished:
             return
         if seq.status == Status.RUNNING:

@@ -6,7 +6,16 @@ from enum import Enum
 
 import torch
 
+from nanokv.eviction import KVMethod
 from nanokv.sampling import SamplingParams
+
+
+@dataclass
+class PromptLogprob:
+    """What the model predicted at one prompt position, under the request's eviction."""
+    logprob: float       # log-probability of the prompt's actual token
+    top_token: int       # the most likely token
+    top_logprob: float
 
 
 class Status(Enum):
@@ -23,9 +32,14 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0       # tokens whose K/V are in the cache
+    method: KVMethod = field(default_factory=KVMethod)
+    max_slots: int = 0                 # the most tokens it will ever feed (prompt + max_tokens - 1)
+    num_computed_tokens: int = 0       # tokens run through the model (their positions are taken)
+    num_kv_slots: int = 0              # KV pairs it holds per head; below num_computed_tokens once it evicts
     finish_reason: str | None = None   # "length", "stop" or "abort"
     generator: torch.Generator | None = None  # the request's own, when it has a seed
+    prompt_logprobs: list[PromptLogprob | None] | None = None   # when asked for
+    kept_positions: torch.Tensor | None = None                  # when asked for, at the end
 
     @property
     def token_ids(self) -> list[int]:

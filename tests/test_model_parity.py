@@ -14,11 +14,12 @@ def engine_logits(llm: LLM, seq: Sequence, n: int) -> torch.Tensor:
     """Run seq's next n tokens through the real runner path; logits of every row."""
     need = llm.blocks.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
     seq.block_table += llm.blocks.allocate(need)
-    ids, positions, meta, _, _ = llm.runner.prepare(ScheduledBatch([seq], [n]))
+    step = llm.runner.prepare(ScheduledBatch([seq], [n]))
     with torch.inference_mode():
-        hidden = llm.runner.model(ids, positions, llm.runner.kv_cache, meta)
+        hidden = llm.runner.model(step.input_ids, step.positions, llm.runner.kv_cache, step.meta)
         logits = llm.runner.model.compute_logits(hidden)
     seq.num_computed_tokens += n
+    seq.num_kv_slots += n
     return logits
 
 
