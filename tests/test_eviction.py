@@ -1,0 +1,83 @@
+"""Eviction settings are checked up front, and evicting requests run on both kernel backends."""
+import pytest
+import torch
+
+import kernels
+from helpers import VOCAB, make_tiny_model
+from nanokv import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(path, "qwen3")
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256,
+               kv_method="batchmax", kv_budget=64, evict_every=16)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kv_method="batchmax", kv_budget=16, evict_every=16), "at least 2 \\* evict_every = 32"),
+    (dict(kv_method="batchmax", kv_budget=40, evict_every=16), "multiple of the block size 16, got 40"),
+    (dict(kv_method="decode_only", kv_budget=48, evict_every=32), "at least 2 \\* evict_every = 64"),
+    (dict(kv_method="ed", kv_budget=1), "kv_budget for ed must be >= 2, got 1"),
+    (dict(kv_method="batchmax", evict_every=0), "evict_every >= 1"),
+    (dict(kv_method="full", return_kept_positions=True), "return_kept_positions needs an evicting kv_method"),
+])
+def test_bad_eviction_settings_are_refused(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.add_request([1, 2, 3], SamplingParams(**kwargs))
+    with pytest.raises(ValueError, match=message):
+        llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(), SamplingParams(**kwargs)])
+    assert not llm.has_unfinished()
+
+
+def test_unknown_method_name():
+    with pytest.raises(ValueError, match="unknown kv_method 'snapkv'; use one of full, batchmax, decode_only, ed"):
+        SamplingParams(kv_method="snapkv")
+
+
+def test_engine_defaults_apply_and_requests_override(llm):
+    prompt = torch.randint(0, VOCAB, (100,)).tolist()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, return_kept_positions=True))[0]
+    assert out.kept_positions.shape[-1] <= 64          # the engine default: batchmax, |kv| = 64
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, kv_method="ed", kv_budget=2,
+                                                return_kept_positions=True))[0]
+    assert out.kept_positions.shape[-1] == 2     # the last two fed tokens: 100 + 4 - 1 fed in all
+    assert (out.kept_positions[..., 0] == 101).all() and (out.kept_positions[..., 1] == 102).all()
+
+
+def test_prompt_logprobs_under_a_large_budget_equal_full(llm):
+    prompt = torch.randint(0, VOCAB, (40,)).tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, kv_method="full", prompt_logprobs=True))[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 40
+    tokens = out.prompt_logprobs[1:]
+    again = llm.generate([prompt], SamplingParams(max_tokens=1, kv_method="batchmax", kv_budget=64,
+                                                  prompt_logprobs=True))[0].prompt_logprobs[1:]
+    assert [t.top_token for t in tokens] == [t.top_token for t in again]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(tokens, again)) < 1e-5
+    assert all(t.logprob <= t.top_logprob + 1e-6 for t in tokens)
+
+
+def test_evicting_engine_on_triton_kernels_matches_references(tiny_dir):
+    """Prefill key scores, decode scores, compaction: the interpreted Triton path keeps the same pairs."""
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (20, 70, 100)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=m, kv_budget=b,
+                             evict_every=16, return_kept_positions=True)
+              for m, b in (("batchmax", 32), ("decode_only", 48), ("ed", 5))]
+    results = {}
+    before = kernels.BACKEND
+    try:
+        for backend in ("torch", "triton"):
+            kernels.set_backend(backend)
+            engine = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
+            results[backend] = engine.generate(prompts, params)
+    finally:
+        kernels.set_backend(before)
+    for ref, tri in zip(results["torch"], results["triton"]):
+        assert tri.token_ids == ref.token_ids
+        assert torch.equal(tri.kept_positions, ref.kept_positions)
