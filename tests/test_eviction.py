@@ -81,3 +81,11 @@ def test_evicting_engine_on_triton_kernels_matches_references(tiny_dir):
     for ref, tri in zip(results["torch"], results["triton"]):
         assert tri.token_ids == ref.token_ids
         assert torch.equal(tri.kept_positions, ref.kept_positions)
+
+
+def test_plot_of_kept_positions_is_written(llm, tmp_path):
+    from nanokv.plot import plot_kept_positions
+    prompt = torch.randint(0, VOCAB, (120,)).tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, return_kept_positions=True))[0]
+    plot_kept_positions(out.kept_positions, len(prompt), str(tmp_path / "kept.png"))
+    assert (tmp_path / "kept.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
