@@ -66,3 +66,20 @@ def test_bf16_triton_engine_agrees_with_reference(tmp_path, backend):
                                       dtype="bfloat16")
     first = [r[0] == t[0] for r, t in zip(reference, triton)]
     assert sum(first) >= 7
+
+
+@pytest.mark.gpu
+def test_evicting_requests_in_cuda_graphs_match_eager(tmp_path, backend):
+    """Decode graphs accumulate the eviction scores inside the captured kernels."""
+    make_tiny_model(tmp_path, "llama")
+    backend("triton")
+    prompts = mixed_prompts(6, seed=6)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_method="batchmax",
+                            kv_budget=32, evict_every=16, return_kept_positions=True)
+    runs = []
+    for eager in (True, False):
+        llm = LLM(str(tmp_path), dtype="float32", device="cuda", num_kv_blocks=96, max_model_len=160,
+                  enforce_eager=eager)
+        runs.append(llm.generate(prompts, params))
+    for a, b in zip(*runs):
+        assert a.token_ids == b.token_ids and torch.equal(a.kept_positions, b.kept_positions)
