@@ -28,6 +28,7 @@ class KVMethod:
     """Full cache: never evicts. The base of the others."""
     name = "full"
     needs_scores = False      # whether attention must accumulate per-slot scores for it
+    evicts_eagerly = False    # its algorithm evicts right after a chunk, not before the next
 
     def evict_count(self, seq: Sequence) -> int:
         """KV pairs per head to drop before seq's next chunk."""
@@ -112,8 +113,14 @@ class ExtremeDecoding(PromptFirst):
     """Algorithm 2 (ED): a full prefill, then only the most recent pair is kept,
     again whenever the cache reaches |kv|. With |kv| = 2 it is the fastest any
     decoding-only method can be: the throughput upper bound Batch-Max is
-    compared with."""
+    compared with.
+
+    Algorithm 2 evicts right after the token that fills the cache; the engine
+    does it before the next chunk, which attends to exactly the same pairs.
+    Only the final cache differs, and kept_positions applies the pending
+    eviction (evicts_eagerly)."""
     name = "ed"
+    evicts_eagerly = True
 
     def evict_count(self, seq: Sequence) -> int:
         prompt_ended = seq.num_computed_tokens == len(seq.prompt_token_ids)

@@ -165,18 +165,24 @@ class ModelRunner:
                 seq.prompt_logprobs[i] = PromptLogprob(lp, tok, tlp)
 
     def evict(self, eviction: Eviction) -> None:
-        """Drop eviction.num_evicted pairs from every (layer, KV head) of one sequence, each
-        head choosing by its method's ranking, and compact the survivors into the first slots
-        (in their old order, so slot order stays position order)."""
-        seq, n = eviction.seq, eviction.num_slots
+        """Drop eviction.num_evicted pairs from every (layer, KV head) of one sequence and
+        compact the survivors into the first slots (in their old order, so slot order
+        stays position order)."""
+        seq = eviction.seq
         table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
-        positions = self.read_slots(self.kv_cache.positions, table, n)
-        scores = self.read_slots(self.kv_cache.scores, table, n)
-        priority = seq.method.keep_priority(scores, positions, seq.num_computed_tokens - 1)
-        # Stable ascending sort: the lowest priority goes first, ties by slot (= by position).
-        keep = priority.argsort(dim=-1, stable=True)[..., eviction.num_evicted:].sort(dim=-1).values
+        keep = self._survivors(seq, table, eviction.num_slots, eviction.num_evicted)
         kernels.compact_kv(self.kv_cache.k, self.kv_cache.v, self.kv_cache.positions, self.kv_cache.scores,
                            table, keep)
+
+    def _survivors(self, seq: Sequence, table: torch.Tensor, num_slots: int, num_evicted: int) -> torch.Tensor:
+        """[L, H, num_slots - num_evicted] ascending slot indices each head keeps, by its method's
+        ranking: a stable ascending sort evicts the lowest first, ties by slot (= by position)."""
+        positions = self.read_slots(self.kv_cache.positions, table, num_slots)
+        if num_evicted == 0:
+            return torch.arange(num_slots, device=self.device).expand(positions.shape)
+        scores = self.read_slots(self.kv_cache.scores, table, num_slots)
+        priority = seq.method.keep_priority(scores, positions, seq.num_computed_tokens - 1)
+        return priority.argsort(dim=-1, stable=True)[..., num_evicted:].sort(dim=-1).values
 
     def read_slots(self, per_slot: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
         """The first n slots of one sequence from a per-slot buffer [L, blocks, H, bs] -> [L, H, n]."""
@@ -184,6 +190,10 @@ class ModelRunner:
         return pages.transpose(1, 2).flatten(2)[:, :, :n]
 
     def kept_positions(self, seq: Sequence) -> torch.Tensor:
-        """The original positions of the pairs seq holds, per layer and KV head: [L, H, n]."""
+        """The original positions of the pairs seq holds at the end, per layer and KV head:
+        [L, H, n]. A method whose algorithm evicts right after a chunk (ED) still has that
+        eviction pending here (the engine evicts before the next chunk): it is applied."""
         table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
-        return self.read_slots(self.kv_cache.positions, table, seq.num_kv_slots).cpu()
+        pending = seq.method.evict_count(seq) if seq.method.evicts_eagerly else 0
+        keep = self._survivors(seq, table, seq.num_kv_slots, pending)
+        return self.read_slots(self.kv_cache.positions, table, seq.num_kv_slots).gather(-1, keep).cpu()

@@ -47,8 +47,8 @@ def test_engine_defaults_apply_and_requests_override(llm):
     assert out.kept_positions.shape[-1] <= 64          # the engine default: batchmax, |kv| = 64
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, kv_method="ed", kv_budget=2,
                                                 return_kept_positions=True))[0]
-    assert out.kept_positions.shape[-1] == 2     # the last two fed tokens: 100 + 4 - 1 fed in all
-    assert (out.kept_positions[..., 0] == 101).all() and (out.kept_positions[..., 1] == 102).all()
+    assert out.kept_positions.shape[-1] == 1     # Algorithm 2: the most recent of 100 + 4 - 1 fed tokens
+    assert (out.kept_positions == 102).all()
 
 
 def test_prompt_logprobs_under_a_large_budget_equal_full(llm):
