@@ -1,7 +1,8 @@
 """Named model shapes with random weights, for timing without downloading anything.
 
 Throughput does not depend on the weight values, so benchmarks build these
-from a config dict (the keys of an HF config.json) and fill them with noise.
+from a config dict (the keys of an HF config.json) and fill them with noise:
+`LLM("random:llama-3.1-8b")`.
 """
 from __future__ import annotations
 
@@ -28,10 +29,17 @@ SHAPES = {
 }
 
 
-def random_model(name: str, dtype: torch.dtype, device: torch.device | str, max_len: int) -> Decoder:
+RANDOM_PREFIX = "random:"
+
+
+def shape_config(name: str) -> ModelConfig:
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}; known shapes: {', '.join(SHAPES)}")
-    cfg = ModelConfig.from_hf(SHAPES[name])
+    return ModelConfig.from_hf(SHAPES[name])
+
+
+def random_model(name: str, dtype: torch.dtype, device: torch.device | str, max_len: int) -> Decoder:
+    cfg = shape_config(name)
     with torch.device("meta"):
         model = Decoder(cfg, max_len).to(dtype)
     model = model.to_empty(device=device)

@@ -39,6 +39,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from nanokv import LLM, SamplingParams
+
 FULL = "full"
 TARGET_FRACTION = 0.25      # the issue's target: a budget of 25% of the document ...
 TARGET_PPL_RATIO = 1.05     # ... keeps perplexity within 5% of the full cache's ...
@@ -183,8 +185,6 @@ def evaluate_document(llm, token_ids: list[int], runs: list[tuple[str, int | Non
     continuously (the decode steps of the continuations ride along with the
     prefill chunks of the teacher-forced requests).
     """
-    from nanokv import SamplingParams
-
     def params(method, budget, **options):
         eviction = {} if method == FULL else {"kv_budget": budget, "evict_every": evict_every}
         return SamplingParams(temperature=0, kv_method=method, **eviction, **options)
@@ -294,8 +294,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     """Run the harness; returns what it writes to --out."""
-    from nanokv import LLM
-
     args = parse_args(argv)
     cont_prompt = min(args.cont_prompt, args.doc_tokens)
     started = time.perf_counter()
@@ -308,8 +306,10 @@ def main(argv: list[str] | None = None) -> dict:
     for i, doc in enumerate(documents, 1):
         print(f"document {i}/{len(documents)}: {doc.name} ({doc.kind}, {len(doc.token_ids)} tokens)",
               file=sys.stderr)
+        doc_started = time.perf_counter()
         results = evaluate_document(llm, doc.token_ids, runs, args.evict_every, cont_prompt, args.cont_tokens)
-        per_doc.append({"name": doc.name, "kind": doc.kind, "results": results})
+        per_doc.append({"name": doc.name, "kind": doc.kind, "results": results,
+                        "seconds": round(time.perf_counter() - doc_started, 1)})
     summary = summarise([d["results"] for d in per_doc], args.doc_tokens)
     check = verdict(summary, args.doc_tokens, args.cont_tokens)
     seconds = time.perf_counter() - started

@@ -17,7 +17,8 @@ from tqdm import tqdm
 
 from nanokv.config import EngineConfig, ModelConfig, resolve_dtype
 from nanokv.kv_cache import BlockManager
-from nanokv.loader import resolve_model_path
+from models.shapes import RANDOM_PREFIX, random_model, shape_config
+from nanokv.loader import load_model, resolve_model_path
 from nanokv.runner import ModelRunner
 from nanokv.sampling import SamplingParams
 from nanokv.scheduler import Scheduler
@@ -48,7 +49,7 @@ class RequestOutput:
 class _Request:
     seq: Sequence
     prompt: str | None
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None   # None without a tokenizer: token ids only
     text: str = ""      # output text, cut at a stop string
     streamed: int = 0   # characters of `text` already handed out
 
@@ -63,11 +64,18 @@ class LLM:
         self.config = EngineConfig(model=model, dtype=dtype, **options)
         device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(self.config.dtype, device)
-        path = resolve_model_path(model)
-        self.model_config = ModelConfig.from_dir(path)
-        self.tokenizer = Tokenizer.from_dir(path)
-        self.config.max_model_len = self._max_model_len()
-        self.runner = ModelRunner(self.config, self.model_config, path, self.dtype, device)
+        if model is not None and model.startswith(RANDOM_PREFIX):   # timing only: no files, no tokenizer
+            shape = model.removeprefix(RANDOM_PREFIX)
+            self.model_config, self.tokenizer, path = shape_config(shape), None, None
+            self.config.max_model_len = self._max_model_len()
+            decoder = random_model(shape, self.dtype, device, self.config.max_model_len)
+        else:
+            path = resolve_model_path(model)
+            self.model_config = ModelConfig.from_dir(path)
+            self.tokenizer = Tokenizer.from_dir(path)
+            self.config.max_model_len = self._max_model_len()
+            decoder = load_model(path, self.model_config, self.dtype, device, self.config.max_model_len)
+        self.runner = ModelRunner(self.config, decoder, self.dtype, device)
         self.blocks = BlockManager(self.runner.kv_cache.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path))
         self.requests: dict[int, _Request] = {}
@@ -82,8 +90,10 @@ class LLM:
             raise ValueError(f"max_model_len={wanted} is outside the model's context (2..{limit})")
         return wanted
 
-    def _eos_token_ids(self, path: Path) -> set[int]:
+    def _eos_token_ids(self, path: Path | None) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
+        if path is None:
+            return ids
         gen_config = path / "generation_config.json"
         if gen_config.is_file():
             eos = json.loads(gen_config.read_text()).get("eos_token_id")
@@ -97,6 +107,8 @@ class LLM:
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, or a ValueError that says what is wrong with it."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (random weights): give prompts as token ids")
             ids = self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
@@ -142,7 +154,7 @@ class LLM:
                        max_slots=min(len(ids) + params.max_tokens, self.config.max_model_len) - 1,
                        prompt_logprobs=[None] * len(ids) if params.prompt_logprobs else None)
         self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
-                                             IncrementalDetokenizer(self.tokenizer, ids))
+                                             self.tokenizer and IncrementalDetokenizer(self.tokenizer, ids))
         self.scheduler.add(seq)
         return request_id
 
@@ -175,9 +187,10 @@ class LLM:
 
     def _emit(self, request: _Request, token: int) -> RequestOutput:
         seq = request.seq
-        request.text += request.detokenizer.add([token])
-        if seq.is_finished:   # no more tokens will complete a held-back partial character
-            request.text += request.detokenizer.flush()
+        if request.detokenizer is not None:
+            request.text += request.detokenizer.add([token])
+            if seq.is_finished:   # no more tokens will complete a held-back partial character
+                request.text += request.detokenizer.flush()
         stops = seq.params.stop
         hit = [i for i in (request.text.find(s) for s in stops) if i >= 0]
         if hit:

@@ -5,22 +5,32 @@ model, the KV cache tensors and the sampler.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from nanokv.attention import AttentionMetadata
 import kernels
+from models import Decoder
 from nanokv.config import EngineConfig, ModelConfig
 from nanokv.cuda_graphs import DecodeGraphs
 from nanokv.kv_cache import KVCache
-from nanokv.loader import load_model
 from nanokv.sampling import Sampler
 from nanokv.scheduler import Eviction, ScheduledBatch
 from nanokv.sequence import PromptLogprob, Sequence
 
 LOGPROB_SLICE = 512   # prompt rows turned into vocabulary logits at a time
+
+
+@dataclass
+class Timings:
+    """Where the runner's time went (bench.py): seconds and steps per phase."""
+    prefill_s: float = 0.0   # steps with a prompt chunk (mixed steps count here)
+    decode_s: float = 0.0    # steps of decodes only
+    evict_s: float = 0.0
+    prefill_steps: int = 0
+    decode_steps: int = 0
 
 
 @dataclass
@@ -36,14 +46,15 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, path: Path,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: EngineConfig, model: Decoder, dtype: torch.dtype, device: torch.device):
         self.config, self.device = config, device
         self.block_size = config.block_size
-        self.model = load_model(path, model_config, dtype, device, config.max_model_len)
+        self.model = model
+        model_config = model.config
         num_blocks = self._num_kv_blocks(model_config, dtype)
         self.kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, device)
         self.sampler = Sampler(device, config.seed)
+        self.timings: Timings | None = None   # set to Timings() to measure (syncs the device)
         self.graphs = None   # CUDA graphs need the Triton kernels: the references synchronise
         if device.type == "cuda" and kernels.BACKEND == "triton" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
@@ -134,8 +145,10 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
         """Evict, then one forward pass; returns seq_id -> sampled token for the
         sequences whose chunk reached their end."""
+        start = self._clock()
         for eviction in batch.evictions:
             self.evict(eviction)
+        evicted = self._clock()
         step = self.prepare(batch)
         meta = step.meta
         if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(len(batch)):
@@ -144,12 +157,30 @@ class ModelRunner:
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
         if step.logprob_rows:
             self._record_prompt_logprobs(hidden, step)
-        if not step.sample_rows:
-            return {}
-        seqs = step.sampled_seqs
-        logits = self.model.compute_logits(hidden[step.sample_rows])
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return dict(zip((s.seq_id for s in seqs), tokens.tolist()))
+        sampled = {}
+        if step.sample_rows:
+            seqs = step.sampled_seqs
+            logits = self.model.compute_logits(hidden[step.sample_rows])
+            tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            sampled = dict(zip((s.seq_id for s in seqs), tokens.tolist()))
+        if self.timings is not None:
+            self._record_time(start, evicted, self._clock(), decode=meta.max_query_len == 1)
+        return sampled
+
+    def _clock(self) -> float:
+        if self.timings is None:
+            return 0.0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _record_time(self, start: float, evicted: float, end: float, decode: bool) -> None:
+        t = self.timings
+        t.evict_s += evicted - start
+        if decode:
+            t.decode_s, t.decode_steps = t.decode_s + end - evicted, t.decode_steps + 1
+        else:
+            t.prefill_s, t.prefill_steps = t.prefill_s + end - evicted, t.prefill_steps + 1
 
     def _record_prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> None:
         """Score each prompt token by the logits of the row before it, a slice at a time
