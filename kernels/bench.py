@@ -59,29 +59,31 @@ def contiguous_kv(k_cache, tables, ctx):
     return pages.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D)[:, :, :ctx].contiguous()
 
 
+def decode_times(batch: int, ctx: int) -> tuple[float, float]:
+    """(nanokv, SDPA flash) milliseconds of one decode attention, Hq=32, Hkv=8, D=128, block 16."""
+    hq, hkv, d, block = 32, 8, 128, 16
+    k, v, tables = paged_kv(batch, ctx, hkv, d, block, torch.bfloat16)
+    q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+    splits = decode_num_splits(batch, hkv, ctx)
+    work = decode_workspace(batch, hq, d, splits, tables.shape[1] * block, False, "cuda")
+    t = ms(lambda: paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5, splits, workspace=work))
+    kc, vc = contiguous_kv(k, tables, ctx), contiguous_kv(v, tables, ctx)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        t_sdpa = ms(lambda: F.scaled_dot_product_attention(q.view(batch, hq, 1, d), kc, vc, enable_gqa=True))
+    return t, t_sdpa
+
+
 def bench_decode(bw: float, quick: bool) -> list[str]:
-    hq, hkv, d, block, dtype = 32, 8, 128, 16, torch.bfloat16
     rows = ["| batch | context | nanokv µs | GB/s | % of copy bw | SDPA flash µs | nanokv / SDPA time |",
             "| --- | --- | --- | --- | --- | --- | --- |"]
     for batch in (1, 16, 64, 128):
         for ctx in ((1024, 4096) if quick else (1024, 4096, 16384)):
-            k, v, tables = paged_kv(batch, ctx, hkv, d, block, dtype)
-            q = torch.randn(batch, hq, d, device="cuda", dtype=dtype)
-            lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-            splits = decode_num_splits(batch, hkv, ctx)
-            work = decode_workspace(batch, hq, d, splits, tables.shape[1] * block, False, "cuda")
-            t = ms(lambda: paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5, splits,
-                                                              workspace=work))
-            kc, vc = contiguous_kv(k, tables, ctx), contiguous_kv(v, tables, ctx)
-            del k, v
-            qs = q.view(batch, hq, 1, d)
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-                t_sdpa = ms(lambda: F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True))
-            nbytes = 2 * batch * ctx * hkv * d * 2
+            t, t_sdpa = decode_times(batch, ctx)
+            torch.cuda.empty_cache()
+            nbytes = 2 * batch * ctx * 8 * 128 * 2   # K and V, bf16
             rows.append(f"| {batch} | {ctx} | {t * 1e3:.1f} | {nbytes / t / 1e6:.0f} | "
                         f"{100 * nbytes / (t * 1e-3) / bw:.0f}% | {t_sdpa * 1e3:.1f} | {t / t_sdpa:.2f} |")
-            del kc, vc
-            torch.cuda.empty_cache()
     return rows
 
 
