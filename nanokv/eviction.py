@@ -134,6 +134,8 @@ class ExtremeDecoding(PromptFirst):
 
 def make_method(name: str, budget: int, evict_every: int, block_size: int) -> KVMethod:
     """The method for a request, or a ValueError naming what is wrong with its settings."""
+    if name not in METHODS:
+        raise ValueError(f"unknown kv_method {name!r}; use one of {', '.join(METHODS)}")
     if name == "full":
         return KVMethod()
     if not isinstance(budget, int) or not isinstance(evict_every, int) or evict_every < 1:

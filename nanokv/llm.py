@@ -62,6 +62,8 @@ class LLM:
             raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; "
                             f"the options are {', '.join(sorted(fields - {'model', 'dtype'}))}")
         self.config = EngineConfig(model=model, dtype=dtype, **options)
+        cfg = self.config
+        make_method(cfg.kv_method, cfg.kv_budget, cfg.evict_every, cfg.block_size)   # check the defaults now
         device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(self.config.dtype, device)
         if model is not None and model.startswith(RANDOM_PREFIX):   # timing only: no files, no tokenizer

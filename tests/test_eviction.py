@@ -36,9 +36,12 @@ def test_bad_eviction_settings_are_refused(llm, kwargs, message):
     assert not llm.has_unfinished()
 
 
-def test_unknown_method_name():
-    with pytest.raises(ValueError, match="unknown kv_method 'snapkv'; use one of full, batchmax, decode_only, ed"):
+def test_unknown_method_name(tiny_dir):
+    message = "unknown kv_method 'snapkv'; use one of full, batchmax, decode_only, ed"
+    with pytest.raises(ValueError, match=message):
         SamplingParams(kv_method="snapkv")
+    with pytest.raises(ValueError, match=message):   # a bad engine default fails at construction
+        LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, kv_method="snapkv")
 
 
 def test_engine_defaults_apply_and_requests_override(llm):
