@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from nanokv.config import EngineConfig, ModelConfig, resolve_dtype
 from nanokv.kv_cache import BlockManager
-from models.shapes import RANDOM_PREFIX, random_model, shape_config
+import models.shapes as shapes   # a module import: models.shapes itself imports nanokv.config
 from nanokv.loader import load_model, resolve_model_path
 from nanokv.runner import ModelRunner
 from nanokv.sampling import SamplingParams
@@ -66,11 +66,11 @@ class LLM:
         make_method(cfg.kv_method, cfg.kv_budget, cfg.evict_every, cfg.block_size)   # check the defaults now
         device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(self.config.dtype, device)
-        if model is not None and model.startswith(RANDOM_PREFIX):   # timing only: no files, no tokenizer
-            shape = model.removeprefix(RANDOM_PREFIX)
-            self.model_config, self.tokenizer, path = shape_config(shape), None, None
+        if model is not None and model.startswith(shapes.RANDOM_PREFIX):   # timing: no files, no tokenizer
+            shape = model.removeprefix(shapes.RANDOM_PREFIX)
+            self.model_config, self.tokenizer, path = shapes.shape_config(shape), None, None
             self.config.max_model_len = self._max_model_len()
-            decoder = random_model(shape, self.dtype, device, self.config.max_model_len)
+            decoder = shapes.random_model(shape, self.dtype, device, self.config.max_model_len)
         else:
             path = resolve_model_path(model)
             self.model_config = ModelConfig.from_dir(path)

@@ -1,0 +1,150 @@
+"""bench.py: the largest-batch search, the workload, the records, and toy end-to-end runs.
+
+Timings are never asserted: only that every figure is there and makes sense.
+"""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import make_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench  # noqa: E402
+
+RECORD_FIELDS = {"device", "model", "dtype", "mode", "method", "budget", "batch", "input_len", "output_len",
+                 "tokens_per_s", "peak_kv_gb", "kv_pool_gb", "decode_ms_per_step", "prefill_s", "evict_s",
+                 "fits", "preemptions", "date", "commit", "cuda_max_allocated_gb"}
+
+
+def search(threshold: int, max_batch: int) -> tuple[int, list[int]]:
+    """largest_batch against a fake engine where batches up to `threshold` fit."""
+    probes = []
+
+    def fits(b: int) -> bool:
+        probes.append(b)
+        return b <= threshold
+
+    return bench.largest_batch(fits, max_batch), probes
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 7, 16, 100])
+def test_largest_batch_finds_the_threshold(max_batch):
+    for threshold in range(0, max_batch + 3):
+        best, probes = search(threshold, max_batch)
+        assert best == min(threshold, max_batch)
+        assert len(probes) == len(set(probes)), "no batch is run twice"
+        assert all(1 <= b <= max_batch for b in probes)
+        assert len(probes) <= 2 * max_batch.bit_length() + 1
+
+
+def test_largest_batch_edges():
+    assert search(0, 64) == (0, [1])                      # not even one request fits
+    assert search(10**6, 64) == (64, [1, 2, 4, 8, 16, 32, 64])   # everything fits: stop at the cap
+    best, probes = search(5, 64)                           # the paper's b0 - 1: 6 was run and did not fit
+    assert best == 5 and 6 in probes and probes[:4] == [1, 2, 4, 8]
+
+
+def test_workload_is_nano_vllms():
+    requests = bench.workload()
+    assert len(requests) == 256
+    assert requests == bench.workload(256, seed=0)         # reproducible
+    assert requests != bench.workload(256, seed=1)
+    assert bench.workload(8) == requests[:8]               # a shorter run is a prefix of the full one
+    for prompt, output_len in requests:
+        assert 100 <= len(prompt) <= 1024 and 100 <= output_len <= 1024
+        assert all(0 <= t < 10000 for t in prompt)
+    lengths = [len(p) for p, _ in requests]
+    assert min(lengths) < 200 and max(lengths) > 900     # spread over the range, not a constant
+    assert all(t < 300 for p, _ in bench.workload(4, vocab=300) for t in p)
+
+
+def test_presets_and_mode_defaults():
+    args = bench.parse_args(["--preset", "cpu-small", "--input-len", "64"])
+    assert args.mode == "paper" and args.input_len == 64 and args.budgets == [128] and args.num_requests == 0
+    args = bench.parse_args([])
+    assert args.mode == "paper" and (args.input_len, args.output_len) == (3584, 512)
+    assert args.methods == ["full", "ed", "batchmax"] and args.kv_cache_gb > 0
+    args = bench.parse_args(["--mode", "sweep"])
+    assert args.out == "bench.jsonl" and "decode_only" in args.methods
+    assert bench.parse_args(["--mode", "hf"]).output_len == 128
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(path, "llama")
+    return path
+
+
+# Tiny llama: a block is 2 layers x 2 KV heads x 16 slots x (2 x 16 x 4 bytes + 8) = 8704 bytes,
+# so 90 kB holds 10 blocks. A request of 48 + 4 tokens needs 3 blocks for its prompt and a 4th
+# while it decodes (51 slots).
+TOY = ["--input-len", "48", "--output-len", "4", "--kv-cache-gb", "0.00009", "--budgets", "32",
+       "--evict-every", "16", "--dtype", "float32", "--threads", "1"]
+
+
+def test_paper_mode_end_to_end(tiny, tmp_path, capsys):
+    out, png = tmp_path / "runs.jsonl", tmp_path / "plot.png"
+    records = bench.main(["--model", str(tiny), *TOY, "--max-batch", "8", "--num-requests", "6",
+                          "--out", str(out), "--plot", str(png)])
+    assert [json.loads(line) for line in out.read_text().splitlines()] == records
+    static = {}
+    for r in records:
+        assert RECORD_FIELDS <= r.keys()
+        assert r["kv_pool_gb"] == pytest.approx(10 * 8704 / 1e9)
+        if r["mode"] == "static":
+            static.setdefault((r["method"], r["budget"]), {})[r["batch"]] = r
+        if r["fits"]:   # (a continuous stream may preempt: it still ran to the end)
+            assert r["tokens_per_s"] > 0 and 0 < r["peak_kv_gb"] <= r["kv_pool_gb"]
+            assert r["preemptions"] == 0 or r["mode"] == "continuous"
+            assert r["prefill_s"] > 0 and r["decode_ms_per_step"] > 0
+        else:
+            assert r["tokens_per_s"] is None
+    largest = {m: max(b for b, r in runs.items() if r["fits"]) for m, runs in static.items()}
+    oom_at = {m: min(b for b, r in runs.items() if not r["fits"]) for m, runs in static.items()}
+    # full: 3 requests are admitted (9 blocks) but need 12 while decoding: a preemption, OOM.
+    # ed |kv|=2: 3 prompts fit (9 blocks), 4 do not; |kv|=65 > 51 slots reserves all 4 blocks.
+    # batchmax |kv|=32: 2 blocks each, 5 fit.
+    assert largest == {("full", None): 2, ("ed", 2): 3, ("ed", 65): 2, ("batchmax", 32): 5}
+    assert oom_at == {m: b + 1 for m, b in largest.items()}
+    assert static[("full", None)][3]["preemptions"] == 1
+    continuous = [r for r in records if r["mode"] == "continuous"]
+    assert {(r["method"], r["budget"]) for r in continuous} >= {("decode_only", 32), ("full", None)}
+    assert all(r["fits"] and r["batch"] == 6 and r["output_tokens"] == 6 * 4 for r in continuous)
+    table = capsys.readouterr().out
+    assert "static batches" in table and "continuous batching" in table and "batchmax |kv|=32" in table
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_batch_that_cannot_fit_is_oom_not_a_crash(tiny):
+    args = bench.parse_args(["--model", str(tiny), *TOY])
+    llm = bench.make_llm(args, 52, max_num_seqs=8, max_num_batched_tokens=8 * 48)
+    method = bench.Method("full", None)
+    run = bench.measure(llm, bench.same_shape(8, 48, 4, method, 16, 300), static=True)
+    assert not run["fits"] and run["tokens_per_s"] is None
+    assert not llm.has_unfinished() and llm.blocks.num_free == llm.blocks.num_blocks   # all given back
+    run = bench.measure(llm, bench.same_shape(2, 48, 4, method, 16, 300), static=True)
+    assert run["fits"] and run["output_tokens"] == 8   # the engine is as good as new
+
+
+def test_sweep_writes_one_record_per_run(tiny, tmp_path):
+    out = tmp_path / "sweep.jsonl"
+    bench.main(["--mode", "sweep", "--model", str(tiny), *TOY, "--methods", "full", "batchmax",
+                "--batches", "1", "6", "--input-lens", "32", "48", "--out", str(out)])
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 2 * 2 * 2   # methods x input lengths x batches
+    assert all(RECORD_FIELDS <= r.keys() for r in lines)
+    fits = {(r["method"], r["input_len"], r["batch"]): r["fits"] for r in lines}
+    assert fits[("full", 48, 1)] and fits[("batchmax", 48, 1)] and not fits[("full", 48, 6)]
+
+
+def test_decode_bytes_counts_weights_and_kv(tiny):
+    args = bench.parse_args(["--model", str(tiny), *TOY])
+    llm = bench.make_llm(args, 52)
+    model = llm.runner.model
+    weights = sum(p.numel() * 4 for p in model.parameters()) - model.embed_tokens.weight.numel() * 4
+    assert bench.decode_bytes(llm, {"mean_decode_batch": None, "mean_decode_context": None}) == weights
+    kv = 2 * 2 * 2 * 16 * 4   # K and V, layers, KV heads, head_dim, fp32
+    assert bench.decode_bytes(llm, {"mean_decode_batch": 3, "mean_decode_context": 10}) == weights + 30 * kv
