@@ -1,0 +1,122 @@
+"""The accuracy harness (nanokv/accuracy.py): its arithmetic and documents without a
+model, then one tiny end-to-end run on the bundled model."""
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from nanokv import accuracy
+from nanokv.accuracy import Source
+
+
+def logprobs(values, top_tokens=None):
+    """A prompt_logprobs list as the engine returns it: None for position 0."""
+    top_tokens = top_tokens or [0] * len(values)
+    return [None] + [SimpleNamespace(logprob=v, top_token=t) for v, t in zip(values, top_tokens)]
+
+
+def byte_encode(text):
+    return list(text.encode())
+
+
+# --- measurements ------------------------------------------------------------------------
+
+def test_perplexity_skips_the_first_position():
+    assert accuracy.perplexity(logprobs([-1.0, -2.0, -3.0])) == pytest.approx(math.exp(2.0))
+    assert accuracy.perplexity(logprobs([math.log(1 / 4)] * 5)) == pytest.approx(4.0)
+
+
+def test_agreement_counts_equal_top_tokens():
+    run = logprobs([-1.0] * 4, top_tokens=[5, 6, 7, 8])
+    full = logprobs([-1.0] * 4, top_tokens=[5, 0, 7, 0])
+    assert accuracy.agreement(run, full) == 0.5
+    assert accuracy.agreement(full, full) == 1.0
+
+
+def test_teacher_forced_compares_every_run_with_the_first():
+    full = logprobs([-1.0, -1.0], top_tokens=[3, 4])
+    worse = logprobs([-2.0, -2.0], top_tokens=[3, 9])
+    scores = accuracy.teacher_forced([full, worse])
+    assert scores[0] == {"perplexity": pytest.approx(math.e), "ppl_ratio": 1.0, "agreement": 1.0}
+    assert scores[1] == {"perplexity": pytest.approx(math.e ** 2), "ppl_ratio": pytest.approx(math.e),
+                         "agreement": 0.5}
+
+
+def test_continuation_counts_matches_and_the_common_prefix():
+    scores = accuracy.continuation([[1, 2, 3, 4], [1, 2, 9, 4], [7, 2, 3, 4]])
+    assert scores == [{"greedy_match": 4, "common_prefix": 4},
+                      {"greedy_match": 3, "common_prefix": 2},
+                      {"greedy_match": 3, "common_prefix": 0}]
+
+
+# --- summary -----------------------------------------------------------------------------
+
+def result(method, budget, ppl, ratio, agree, match, prefix):
+    return dict(method=method, budget=budget, perplexity=ppl, ppl_ratio=ratio, agreement=agree,
+                greedy_match=match, common_prefix=prefix)
+
+
+def test_summarise_averages_over_documents():
+    docs = [[result("full", None, 4.0, 1.0, 1.0, 64, 64), result("batchmax", 1024, 8.0, 2.0, 0.5, 10, 2)],
+            [result("full", None, 9.0, 1.0, 1.0, 64, 64), result("batchmax", 1024, 9.0, 1.0, 0.7, 20, 4)]]
+    full, bm = accuracy.summarise(docs, doc_tokens=4096)
+    assert full["perplexity"] == pytest.approx(6.0)           # geometric mean of 4 and 9
+    assert bm["perplexity"] == pytest.approx(math.sqrt(72))
+    assert bm["ppl_ratio"] == pytest.approx(bm["perplexity"] / full["perplexity"])
+    assert (bm["agreement"], bm["greedy_match"], bm["common_prefix"]) == (pytest.approx(0.6), 15, 3)
+    assert (full["budget_pct"], bm["budget_pct"]) == (None, 25.0)
+
+
+def test_verdict_checks_the_target_at_a_quarter_of_the_document():
+    def summary(bm_ratio, bm_match, ed_match):
+        return [dict(method="batchmax", budget=1024, ppl_ratio=bm_ratio, greedy_match=bm_match),
+                dict(method="ed", budget=1024, ppl_ratio=1.0, greedy_match=ed_match)]
+    assert accuracy.verdict(summary(1.03, 40, 5), 4096, 64)["met"] is True
+    assert accuracy.verdict(summary(1.08, 40, 5), 4096, 64)["met"] is False    # perplexity too high
+    assert accuracy.verdict(summary(1.03, 8, 5), 4096, 64)["met"] is False     # not far better than ed
+    missing = accuracy.verdict(summary(1.03, 40, 5), 2048, 64)                 # no budget 512
+    assert missing["met"] is None and "512" in missing["text"]
+
+
+# --- documents ---------------------------------------------------------------------------
+
+def test_documents_are_distinct_real_texts_of_exactly_n_tokens():
+    docs = accuracy.load_documents(byte_encode, 4, 3000)
+    assert [len(d.token_ids) for d in docs] == [3000] * 4
+    assert len({tuple(d.token_ids) for d in docs}) == 4
+    assert {d.kind for d in docs} == {"code", "prose"}
+    for d in docs:
+        assert len(set(d.token_ids)) > 40, d.name   # real text, not padding or one repeated line
+
+
+def test_missing_or_short_sources_are_skipped():
+    def missing():
+        raise FileNotFoundError("not installed here")
+    sources = [Source("gone", "prose", missing), Source("short", "code", lambda: "x = 1\n"),
+               Source("long", "code", lambda: "y = 2\n" * 100)]
+    docs = accuracy.load_documents(byte_encode, 1, 50, sources)
+    assert [(d.name, d.token_ids) for d in docs] == [("long", byte_encode("y = 2\n" * 100)[:50])]
+    with pytest.raises(RuntimeError, match="gone.*not installed.*short.*only 6 tokens"):
+        accuracy.load_documents(byte_encode, 2, 50, sources)
+
+
+# --- end to end --------------------------------------------------------------------------
+
+def test_end_to_end_on_the_bundled_model(bundled_dir, tmp_path, capsys):
+    out = tmp_path / "accuracy.json"
+    report = accuracy.main(["--model", str(bundled_dir), "--docs", "1", "--doc-tokens", "200",
+                            "--budgets", "128", "208", "--cont-prompt", "128", "--cont-tokens", "8",
+                            "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert set(report) == {"settings", "environment", "summary", "verdict", "documents"}
+    assert set(report["environment"]) >= {"date", "torch", "run_seconds"}
+    rows = {(r["method"], r["budget"]): r for r in report["documents"][0]["results"]}
+    assert set(rows) == {("full", None), ("batchmax", 128), ("batchmax", 208), ("ed", 128), ("ed", 208)}
+
+    full, roomy = rows["full", None], rows["batchmax", 208]   # 208 >= 200 + 1: nothing is evicted
+    assert full["agreement"] == 1.0 and full["greedy_match"] == 8
+    assert roomy["perplexity"] == full["perplexity"] and roomy["agreement"] == 1.0
+    assert roomy["greedy_match"] == roomy["common_prefix"] == 8
+    assert rows["batchmax", 128]["perplexity"] != full["perplexity"]   # it did evict
+    assert "perplexity" in capsys.readouterr().out                      # the table was printed
