@@ -77,11 +77,13 @@ def check_add_rms_norm(shape, dtype, device):
     x = torch.randn(shape, dtype=dtype, device=device)
     residual = torch.randn(shape, dtype=dtype, device=device)
     weight = torch.randn(shape[-1], dtype=dtype, device=device)
-    expected_out, expected_res = add_rms_norm_ref(x, residual.clone(), weight, 1e-5)
+    _, expected_res = add_rms_norm_ref(x, residual.clone(), weight, 1e-5)
     out, new_res = add_rms_norm_triton(x, residual, weight, 1e-5)
     assert new_res.data_ptr() == residual.data_ptr()  # documented: written in place
     assert_close(new_res, expected_res)
-    assert_close(out, expected_out)
+    # The norm of the sum actually stored: in 16 bits a sum may round one ulp the other way
+    # (the interpreter's fp32 -> bf16 rounding differs from torch's), and the norm amplifies it.
+    assert_close(out, rms_norm_ref(new_res, weight, 1e-5))
 
 
 def check_rope(T, Hq, Hkv, D, dtype, device):
