@@ -52,8 +52,10 @@ class DecodeGraphs:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
                                  context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
                                  max_query_len=1, max_context_len=self.max_model_len,
-                                 # always on: evicting and full sequences share the graphs, and
-                                 # the scores cost a few bytes per slot against K and V's hundreds
+                                 # Always on: evicting and full sequences share the graphs. The
+                                 # scores cost 8 bytes per query head per slot (keep the logits,
+                                 # read them back) against K and V's 4 * head_dim per KV head; the
+                                 # logits workspace is batch x query heads x max_model_len floats.
                                  accumulate_scores=True)
 
     @torch.inference_mode()
