@@ -1,4 +1,5 @@
-"""Decode steps captured as CUDA graphs, one per batch-size bucket.
+"""Decode steps captured as CUDA graphs, two per batch-size bucket (with and
+without eviction scores).
 
 A decode step of a small model is hundreds of short kernel launches; replaying
 a captured graph issues them all at once. Graphs replay fixed addresses, so
@@ -37,30 +38,29 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(n, model.config.hidden_size, dtype=kv_cache.k.dtype, device=device)
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Two graphs per size: one that also accumulates eviction scores (a batch with an
+        # evicting sequence) and one that does not, so a full cache never pays for scores.
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         pool = None
-        for bs in reversed(self.batch_sizes):   # largest first: smaller graphs reuse its memory
-            graph = torch.cuda.CUDAGraph()
-            self._forward(bs)                   # warm-up: compiles the Triton kernels
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
+        for scores in (True, False):
+            for bs in reversed(self.batch_sizes):   # largest first: smaller graphs reuse its memory
+                graph = torch.cuda.CUDAGraph()
+                self._forward(bs, scores)           # warm-up: compiles the Triton kernels
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(bs, scores)
+                pool = graph.pool()
+                self.graphs[bs, scores] = graph
         torch.cuda.synchronize()
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
+    def _metadata(self, bs: int, scores: bool) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
                                  context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
-                                 max_query_len=1, max_context_len=self.max_model_len,
-                                 # Always on: evicting and full sequences share the graphs. The
-                                 # scores cost 8 bytes per query head per slot (keep the logits,
-                                 # read them back) against K and V's 4 * head_dim per KV head; the
-                                 # logits workspace is batch x query heads x max_model_len floats.
-                                 accumulate_scores=True)
+                                 max_query_len=1, max_context_len=self.max_model_len, accumulate_scores=scores)
 
     @torch.inference_mode()
-    def _forward(self, bs: int) -> None:
-        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_cache, self._metadata(bs))
+    def _forward(self, bs: int, scores: bool) -> None:
+        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_cache,
+                                      self._metadata(bs, scores))
 
     def fits(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_sizes[-1]
@@ -77,5 +77,5 @@ class DecodeGraphs:
         self.context_lens[:n] = meta.context_lens
         self.context_lens[n:bs] = 0
         self.block_tables[:n, :width] = meta.block_tables
-        self.graphs[bs].replay()
+        self.graphs[bs, meta.accumulate_scores].replay()
         return self.hidden[:n]
