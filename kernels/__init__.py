@@ -13,7 +13,8 @@ from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention import paged_attention_ref
 from kernels.attention_triton import paged_attention_triton
 from kernels.compact import compact_kv
-from kernels.decode_attention import paged_decode_attention_triton
+from kernels.decode_attention import (MIN_SPLIT, DecodeWorkspace, decode_workspace, logits_scratch,
+                                      paged_decode_attention_triton)
 from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
@@ -35,27 +36,53 @@ def set_backend(name: str) -> None:
 
 set_backend(os.environ.get("NANOKV_KERNELS") or ("triton" if torch.cuda.is_available() else "torch"))
 
-# Decode: split each context so that the GPU has at least this many programs to run.
-DECODE_MIN_PROGRAMS = 2 * (torch.cuda.get_device_properties(0).multi_processor_count
-                           if torch.cuda.is_available() else 1)
-DECODE_MIN_SPLIT = 256   # slots: shorter splits cost more in merging than they gain
+# Decode: enough (sequence, KV head, split) programs to fill the GPU several times over.
+# A program of the 16-bit decode kernel at head_dim 128 takes ~72 KB of shared memory for
+# its double-buffered K/V tiles (kernels/compile_check.py): 3 are resident on an H100 SM
+# (228 KB), 2 on an A100's (164 KB). With DECODE_WAVES waves of them, the last, partly
+# empty wave costs at most a quarter of the time.
+DECODE_WAVES = 4
+
+
+def decode_programs_per_sm(capability_major: int) -> int:
+    return 3 if capability_major >= 9 else 2
+
+
+if torch.cuda.is_available():
+    _gpu = torch.cuda.get_device_properties(0)
+    DECODE_PROGRAMS = DECODE_WAVES * decode_programs_per_sm(_gpu.major) * _gpu.multi_processor_count
+else:
+    DECODE_PROGRAMS = DECODE_WAVES   # the interpreter: a few splits, so tests see several
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int) -> int:
-    """Splits per (sequence, KV head) for flash-decoding: enough programs to fill the GPU,
-    none shorter than DECODE_MIN_SPLIT slots. Depends on shapes only (CUDA graphs)."""
-    wanted = -(-DECODE_MIN_PROGRAMS // (batch_size * num_kv_heads))
-    return max(1, min(wanted, -(-max_context_len // DECODE_MIN_SPLIT)))
+    """Splits per (sequence, KV head) for flash-decoding: enough programs for DECODE_WAVES
+    waves, and no more than a context of max_context_len can use (each split holds at
+    least MIN_SPLIT slots). Depends on shapes only, so CUDA graphs (which pass
+    max_model_len) and eager steps of one batch size compile and launch alike."""
+    wanted = -(-DECODE_PROGRAMS // (batch_size * num_kv_heads))
+    return max(1, min(wanted, -(-max_context_len // MIN_SPLIT)))
+
+
+def decode_workspace_for(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                         max_context_len: int, device) -> DecodeWorkspace:
+    """The split partials for every decode batch of up to max_num_seqs sequences."""
+    most = max(b * decode_num_splits(b, num_kv_heads, max_context_len) for b in range(1, max_num_seqs + 1))
+    return decode_workspace(most * num_heads, head_dim, device)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *,
-                    max_query_len: int, max_context_len: int, score_cache=None):
+                    max_query_len: int, max_context_len: int, num_decodes: int = 0,
+                    score_cache=None, logits=None, workspace=None):
     """Attention of q [T, Hq, D] over the paged cache (semantics: kernels/attention.py).
 
     With score_cache, also add to it, for every key, the softmax probability each query
     gave it, summed over the query heads of its group: the eviction scores.
     max_query_len and max_context_len are host-side upper bounds, so that no kernel
-    needs a device sync to size its grid; max_query_len == 1 selects flash-decoding.
+    needs a device sync to size its grid. The first num_decodes sequences have one
+    query each (the runner orders them first): they go to flash-decoding, the rest
+    to the prefill kernel. logits and workspace: flash-decoding's scratch
+    (kernels/decode_attention.py), allocated per call if None.
     """
     want_lse = score_cache is not None
     if not TRITON:
@@ -67,19 +94,25 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
                                       lse, scale)
             return out
         return result
-    if max_query_len == 1:
-        splits = decode_num_splits(q.shape[0], k_cache.shape[1], max_context_len)
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale, splits,
-                                             score_cache=score_cache)
-    result = paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                                    return_lse=want_lse, max_query_len=max_query_len)
-    if want_lse:
-        out, lse = result
-        accumulate_key_scores_triton(q, k_cache, score_cache, block_tables, cu_seqlens_q, context_lens, lse,
-                                     scale, max_query_len=max_query_len, max_context_len=max_context_len)
+    out = torch.empty_like(q)
+    if num_decodes:
+        splits = decode_num_splits(num_decodes, k_cache.shape[1], max_context_len)
+        paged_decode_attention_triton(q[:num_decodes], k_cache, v_cache, block_tables[:num_decodes],
+                                      context_lens[:num_decodes], scale, splits, score_cache=score_cache,
+                                      logits=logits, workspace=workspace, out=out[:num_decodes])
+    if num_decodes == len(context_lens):
         return out
-    return result
+    # The chunks: their rows of q, out and lse are addressed through cu_seqlens_q.
+    chunks = slice(num_decodes, None)
+    cu_seqlens, tables, lens = cu_seqlens_q[chunks], block_tables[chunks], context_lens[chunks]
+    result = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens, lens, scale, return_lse=want_lse,
+                                    max_query_len=max_query_len, out=out)
+    if want_lse:
+        accumulate_key_scores_triton(q, k_cache, score_cache, tables, cu_seqlens, lens, result[1], scale,
+                                     max_query_len=max_query_len, max_context_len=max_context_len)
+    return out
 
 
-__all__ = ["BACKEND", "add_rms_norm", "apply_rope", "compact_kv", "decode_num_splits", "paged_attention", "rms_norm",
+__all__ = ["BACKEND", "add_rms_norm", "apply_rope", "compact_kv", "decode_num_splits", "decode_workspace_for",
+           "logits_scratch", "paged_attention", "rms_norm",
            "rope_cos_sin_cache", "silu_and_mul", "store_kv"]

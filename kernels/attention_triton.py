@@ -49,13 +49,15 @@ LOG2E = math.log2(math.e)
 LN2 = tl.constexpr(math.log(2.0))    # turns the kernels' log2-sum-exps into natural logs
 
 # Tile sizes. Prefill: BLOCK_M query rows (tokens x heads of a group) against
-# BLOCK_N key slots; a batch whose query tiles would be mostly padding (only
-# decodes, or short chunks) uses the minimum tl.dot height of 16 instead.
-# Decode is bound by reading K and V, so its query tile is just the group,
-# padded to 16 rows for tl.dot.
+# BLOCK_N key slots; a batch whose query tiles would be mostly padding (short
+# chunks) uses the minimum tl.dot height of 16 instead. Decode is bound by
+# reading K and V, so its query tile is just the group, padded to 16 rows for
+# tl.dot. fp32 tiles are smaller: at 64 x 64 an exact ("ieee") fp32 dot needs
+# more registers than a thread has and spills (kernels/compile_check.py).
 PREFILL_BLOCK_M = 64
 MIN_BLOCK_M = 16
 BLOCK_N = 64
+FP32_BLOCK_N = 32
 
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -93,28 +95,35 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 # ----------------------------------------------------------------------------
 
 @triton.jit
-def _kv_offsets(table_ptr, slots, valid, BLOCK_SIZE: tl.constexpr, stride_block, stride_slot):
-    """Element offsets in a cache of the given slots of one sequence and KV head.
+def _block_numbers(table_ptr, slots, valid, BLOCK_SIZE: tl.constexpr):
+    """The cache block (int64) of each of the given slots of one sequence and KV head.
 
     table_ptr points at that sequence's (and head's) row of the block table.
-    Slots outside `valid` look nothing up and get offset 0 (their loads are
+    Slots outside `valid` look nothing up and get block 0 (their loads are
     masked anyway), so a padding row of zeros or a short table is never read
-    past its end. Offsets are int64: a large cache exceeds 2**31 elements.
+    past its end. int64: block * stride can pass 2**31 elements in a large cache.
     """
-    block = tl.load(table_ptr + slots // BLOCK_SIZE, mask=valid, other=0)
-    return block.to(tl.int64) * stride_block + (slots % BLOCK_SIZE) * stride_slot
+    return tl.load(table_ptr + slots // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
 
 
 @triton.jit
-def _load_kv_tile(k_ptr, v_ptr, table, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE: tl.constexpr,
+def _load_kv_tile(k_ptr, v_ptr, blocks, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE: tl.constexpr,
                   stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, UPCAST: tl.constexpr):
-    """The K and V rows [BLOCK_N, HEAD_DIM_PAD] of the given slots of one KV head
-    (zeros where a slot or a dimension is not valid)."""
-    k_offs = _kv_offsets(table, slots, slot_valid, BLOCK_SIZE, stride_kb, stride_ks) + kv_head * stride_kh
-    v_offs = _kv_offsets(table, slots, slot_valid, BLOCK_SIZE, stride_vb, stride_vs) + kv_head * stride_vh
+    """The K and V rows [BLOCK_N, HEAD_DIM_PAD] of the given slots of one KV head, which
+    live in `blocks` (zeros where a slot or a dimension is not valid).
+
+    The loops that call this look up the *next* tile's blocks while the current
+    tile is being processed (software prefetch of the table): a K/V address that
+    depends on a table load of the same iteration keeps Triton's pipeliner from
+    double-buffering K and V below num_stages 5; one that comes from the
+    previous iteration does not (checked in kernels/compile_check.py).
+    """
+    offset = slots % BLOCK_SIZE
     kv_mask = slot_valid[:, None] & dim_valid[None, :]
-    k = tl.load(k_ptr + k_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + v_offs[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    k_rows = blocks * stride_kb + kv_head * stride_kh + offset * stride_ks
+    v_rows = blocks * stride_vb + kv_head * stride_vh + offset * stride_vs
+    k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if UPCAST:
         k, v = k.to(tl.float32), v.to(tl.float32)
     return k, v
@@ -183,11 +192,14 @@ def _paged_attention_kernel(
     # slot 0, so each row has a finite score in the first tile.
     kv_end = prior + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
     table = table_ptr + seq * stride_table_b + kv_head * stride_table_h
+    slots = tl.arange(0, BLOCK_N)
+    blocks = _block_numbers(table, slots, slots < kv_end, BLOCK_SIZE)
     for n in range(0, kv_end, BLOCK_N):
         slots = n + tl.arange(0, BLOCK_N)
         slot_valid = slots < kv_end
-        k, v = _load_kv_tile(k_ptr, v_ptr, table, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE,
+        k, v = _load_kv_tile(k_ptr, v_ptr, blocks, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE,
                              stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, UPCAST)
+        blocks = _block_numbers(table, slots + BLOCK_N, slots + BLOCK_N < kv_end, BLOCK_SIZE)   # prefetch
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = slots[None, :] <= (prior + token)[:, None]    # causal by slot; implies slot < kv_end
         s = tl.where(visible, s, float("-inf"))
@@ -200,10 +212,26 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + q_rows * stride_lt + head, (m + tl.log2(l)) * LN2, mask=row_valid)
 
 
+def kv_tile(dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) for a loop over key tiles: exact fp32 dots take smaller tiles
+    over more warps, else they spill (kernels/compile_check.py)."""
+    return (FP32_BLOCK_N, 8) if dtype == torch.float32 else (BLOCK_N, 4)
+
+
+def prefill_tiles(dtype: torch.dtype, max_query_len: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the prefill kernel: 64 x 64 tiles over 8 warps
+    (4 warps spill at 64 rows on sm_80); 16-row tiles when the chunks are short; small
+    tiles for fp32. BLOCK_M holds at least one token's whole group."""
+    tall = max_query_len * group > MIN_BLOCK_M and dtype != torch.float32
+    block_m = max(PREFILL_BLOCK_M if tall else MIN_BLOCK_M, triton.next_power_of_2(group))
+    block_n, num_warps = kv_tile(dtype)
+    return block_m, block_n, 8 if block_m >= 64 else num_warps
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, return_lse: bool = False,
-                           max_query_len: int | None = None):
+                           max_query_len: int | None = None, out: torch.Tensor | None = None):
     """Same contract as paged_attention_ref: q [T, Hq, D] -> out [T, Hq, D] in q's
     dtype, and with return_lse also lse [T, Hq] fp32 (natural log of each
     query's softmax denominator).
@@ -211,19 +239,22 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_tables: [B, max_blocks] shared by all KV heads, or [B, Hkv, max_blocks].
     max_query_len: the longest chunk in the batch; the caller knows it, and
     passing it avoids reading it back from the device (a sync).
+    out: where to write, else a new tensor. Only the rows of the B sequences are
+    written, so a caller may hand this kernel some sequences of a batch
+    (cu_seqlens_q and the tables sliced, q and out whole) and the others to
+    flash-decoding.
     """
     _check_cache(q, k_cache, v_cache)
     T, Hq, D = q.shape
     Hkv, block_size = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
     B = cu_seqlens_q.shape[0] - 1
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device)
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if B > 0 else 0
-    if T > 0 and max_query_len > 0:
-        block_m = PREFILL_BLOCK_M if max_query_len * G > MIN_BLOCK_M else MIN_BLOCK_M
-        block_m = max(block_m, triton.next_power_of_2(G))
+    if T > 0 and B > 0 and max_query_len > 0:
+        block_m, block_n, num_warps = prefill_tiles(q.dtype, max_query_len, G)
         block_q = block_m // G
         upcast, precision = _dot_config(q.dtype)
         grid = (B, triton.cdiv(max_query_len, block_q), Hkv)
@@ -232,6 +263,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
             out.stride(0), out.stride(1), lse.stride(0), *_block_table_strides(block_tables, Hkv),
             HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
-            G=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-            UPCAST=upcast, DOT_PRECISION=precision, RETURN_LSE=return_lse)
+            G=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+            UPCAST=upcast, DOT_PRECISION=precision, RETURN_LSE=return_lse, num_warps=num_warps)
     return (out, lse) if return_lse else out

@@ -12,64 +12,87 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import (BLOCK_N, LOG2E, LN2, MIN_BLOCK_M, _block_table_strides, _check_cache,
-                                      _dot_config, _kv_offsets, _load_kv_tile, _online_softmax_step)
+from kernels.attention_triton import (LOG2E, LN2, MIN_BLOCK_M, _block_numbers, _block_table_strides, _check_cache,
+                                      _dot_config, _load_kv_tile, _online_softmax_step, kv_tile)
 
-# ----------------------------------------------------------------------------
+MIN_SPLIT = 256   # slots: a shorter split costs more in merging than it gains in parallelism
+
+
 @dataclass
 class DecodeWorkspace:
-    """Scratch of paged_decode_attention_triton, allocated once and reused.
+    """The partial results of the splits, allocated once and reused.
 
-    For CUDA graphs allocate it before capture, for the largest batch and the
-    widest block table the graphs will see (decode_workspace() does), and pass
-    the same one to every layer and every replay: a call with a smaller batch
-    uses its first rows. Nothing in it needs initialising: every element read
+    Allocate it for the most (sequence x split) pairs any call will use
+    (decode_workspace() does) and pass the same one to every layer and, under
+    CUDA graphs, to every captured batch size: each call views the first
+    B * num_splits rows. Nothing in it needs initialising: every element read
     is written earlier in the same call.
 
-        partial_out  [B, Hq, num_splits, D]  fp32  each split's normalised output
-        partial_lse  [B, Hq, num_splits]     fp32  each split's log2-sum-exp (-inf: empty)
-        logits       [B, Hq, max_slots]      fp32  raw scores in log2 units, for key
-                                                   scores only (else a 0-size tensor);
-                                                   max_slots >= max_blocks * block_size
+        partial_out  [B * num_splits * Hq * D]  fp32  each split's normalised output
+        partial_lse  [B * num_splits * Hq]      fp32  each split's log2-sum-exp (-inf: empty)
     """
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
-    logits: torch.Tensor
+
+    def views(self, batch_size: int, num_heads: int, num_splits: int, head_dim: int):
+        """[B, Hq, num_splits, D] and [B, Hq, num_splits] views of the first rows."""
+        n = batch_size * num_heads * num_splits
+        if self.partial_lse.numel() < n or self.partial_out.numel() < n * head_dim:
+            raise ValueError(f"decode workspace holds {self.partial_lse.numel()} partials, "
+                             f"this call needs {batch_size} x {num_heads} x {num_splits} = {n}")
+        return (self.partial_out[:n * head_dim].view(batch_size, num_heads, num_splits, head_dim),
+                self.partial_lse[:n].view(batch_size, num_heads, num_splits))
 
 
-def decode_workspace(batch_size: int, num_heads: int, head_dim: int, num_splits: int,
-                     max_slots: int, with_scores: bool, device: torch.device | str) -> DecodeWorkspace:
-    """The scratch for decode batches of up to batch_size sequences whose block
-    tables address up to max_slots slots (max_blocks * block_size), in bytes
-    4 * B * Hq * (num_splits * (D + 1) + (max_slots if with_scores else 0))."""
-    def scratch(*shape):
-        return torch.empty(shape, dtype=torch.float32, device=device)
-    return DecodeWorkspace(partial_out=scratch(batch_size, num_heads, num_splits, head_dim),
-                           partial_lse=scratch(batch_size, num_heads, num_splits),
-                           logits=scratch(batch_size, num_heads, max_slots if with_scores else 0))
+def decode_workspace(max_partials: int, head_dim: int, device: torch.device | str) -> DecodeWorkspace:
+    """Scratch for decode calls with B * Hq * num_splits <= max_partials
+    (4 * max_partials * (D + 1) bytes)."""
+    return DecodeWorkspace(partial_out=torch.empty(max_partials * head_dim, dtype=torch.float32, device=device),
+                           partial_lse=torch.empty(max_partials, dtype=torch.float32, device=device))
+
+
+def logits_scratch(num_blocks: int, num_heads: int, block_size: int, device: torch.device | str) -> torch.Tensor:
+    """Where a scored decode keeps each key's raw logits until the merge knows the final
+    log-sum-exp: [num_blocks, Hq, block_size] fp32, laid out like the cache (a slot of KV
+    head h keeps the logits of query heads h*G .. h*G+G-1), so its size follows the pool,
+    not the longest context. One serves every layer."""
+    return torch.empty(num_blocks, num_heads, block_size, dtype=torch.float32, device=device)
 
 
 @triton.jit
+def _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """The slots [start, end) of one split of a sequence's context, and the split length.
+
+    Each sequence cuts its *own* context into num_splits ranges, each a whole
+    number of tiles and at least MIN_SPLIT slots (so a short context uses only
+    its first few splits): the grid depends on shapes alone, for CUDA graphs,
+    while the work follows the real context lengths.
+    """
+    context_len = tl.load(context_lens_ptr + seq)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+    start = split * split_len
+    return start, tl.minimum(start + split_len, context_len), split_len, context_len
+
+
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr, logits_ptr,
-        qk_scale, split_len,
+        qk_scale, num_splits,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
         stride_table_b, stride_table_h, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
         stride_lgb, stride_lgh,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE_LOGITS: tl.constexpr):
-    """One program: the G query heads of one KV head of one sequence, against the
-    slots [split * split_len, (split + 1) * split_len) of its context.
+    """One program: the G query heads of one KV head of one sequence, against
+    one split of its context (_split_range).
 
-    Grid (B, Hkv, num_splits), fixed by shapes alone. The loop bound is read
-    from context_lens, so a split that starts past the context runs no
-    iteration and writes the neutral partial (output 0, lse -inf).
+    Grid (B, Hkv, num_splits), fixed by shapes alone. A split that starts past
+    the context runs no iteration and writes the neutral partial (output 0,
+    lse -inf).
     """
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    context_len = tl.load(context_lens_ptr + seq)
-    start = split * split_len
-    end = tl.minimum(start + split_len, context_len)
+    start, end, split_len, context_len = _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N, MIN_SPLIT)
 
     rows = tl.arange(0, BLOCK_M)                      # query heads of the group, padded to BLOCK_M
     row_valid = rows < G
@@ -85,16 +108,21 @@ def _decode_split_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = table_ptr + seq * stride_table_b + kv_head * stride_table_h
-    logits_rows = logits_ptr + seq.to(tl.int64) * stride_lgb + head[:, None] * stride_lgh
+    slots = start + tl.arange(0, BLOCK_N)
+    blocks = _block_numbers(table, slots, slots < end, BLOCK_SIZE)
     for n in range(start, end, BLOCK_N):              # slot n is visible: rows get a finite score
         slots = n + tl.arange(0, BLOCK_N)
         slot_valid = slots < end
-        k, v = _load_kv_tile(k_ptr, v_ptr, table, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE,
+        k, v = _load_kv_tile(k_ptr, v_ptr, blocks, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE,
                              stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, UPCAST)
+        if SAVE_LOGITS:   # where the merge kernel, which knows the final lse, finds them: like the cache
+            logits_slots = blocks * stride_lgb + slots % BLOCK_SIZE
+        blocks = _block_numbers(table, slots + BLOCK_N, slots + BLOCK_N < end, BLOCK_SIZE)   # prefetch
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(slot_valid[None, :], s, float("-inf"))
-        if SAVE_LOGITS:   # kept for the merge kernel, which knows the final lse
-            tl.store(logits_rows + slots[None, :], s, mask=row_valid[:, None] & slot_valid[None, :])
+        if SAVE_LOGITS:
+            tl.store(logits_ptr + logits_slots[None, :] + head[:, None] * stride_lgh, s,
+                     mask=row_valid[:, None] & slot_valid[None, :])
         acc, m, l = _online_softmax_step(acc, m, l, s, v, DOT_PRECISION)
 
     empty = l == 0.0                                  # no slot in this split
@@ -107,35 +135,45 @@ def _decode_split_kernel(
     tl.store(part_lse_ptr + seq * stride_plb + head * stride_plh + split, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
         part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, logits_ptr, score_ptr, table_ptr, context_lens_ptr,
-        num_splits, split_len,
+        num_splits,
         stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, stride_lb,
         stride_lgb, stride_lgh, stride_sb, stride_sh, stride_table_b, stride_table_h,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        G: tl.constexpr, G_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+        G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
         RETURN_LSE: tl.constexpr, SCORES: tl.constexpr):
     """Combine the splits of one (sequence, KV head), and emit its key scores.
 
     Grid (B, Hkv, num_splits). Every program computes the final log-sum-exp of
-    the G query heads from the num_splits partial ones (a few numbers). The
-    program of split 0 merges the outputs: split i's output is weighted by
-    exp2(lse_i - lse), its share of the whole denominator. With SCORES, every
-    program turns the saved logits of its own split's slots into probabilities,
-    exp2(logit - lse), sums them over the group and adds them into the score
-    cache, so the key scores are as parallel as the attention itself.
+    the G query heads from the partial ones of the splits that hold slots (a
+    few numbers). The program of split 0 merges the outputs: split i's output
+    is weighted by exp2(lse_i - lse), its share of the whole denominator. With
+    SCORES, every program turns the saved logits of its own split's slots into
+    probabilities, exp2(logit - lse), sums them over the group and adds them
+    into the score cache, so the key scores are as parallel as the attention.
     """
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start, end, split_len, context_len = _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N, MIN_SPLIT)
+    if SCORES:
+        idle = (split > 0) & (start >= context_len)   # no slots to score (split 0 writes the output)
+    else:
+        idle = split > 0
+    if idle:
+        return
     rows = tl.arange(0, G_PAD)
     row_valid = rows < G
     head = kv_head * G + rows
-    splits = tl.arange(0, SPLITS_PAD)
-    part_lse = tl.load(part_lse_ptr + seq * stride_plb + head[:, None] * stride_plh + splits[None, :],
-                       mask=row_valid[:, None] & (splits < num_splits)[None, :], other=float("-inf"))
-    m = tl.max(part_lse, 1)
+    lse_row = part_lse_ptr + seq * stride_plb + head * stride_plh
+    used_splits = tl.cdiv(context_len, split_len)     # the rest are empty
+    m = tl.full([G_PAD], float("-inf"), tl.float32)
+    for i in range(0, used_splits):
+        m = tl.maximum(m, tl.load(lse_row + i, mask=row_valid, other=float("-inf")))
     m = tl.where(m == float("-inf"), 0.0, m)          # context_len 0 (and padding rows): all empty
-    total = tl.sum(tl.exp2(part_lse - m[:, None]), 1)
+    total = tl.zeros([G_PAD], tl.float32)
+    for i in range(0, used_splits):
+        total += tl.exp2(tl.load(lse_row + i, mask=row_valid, other=float("-inf")) - m)
     has_keys = total > 0.0
     total = tl.where(has_keys, total, 1.0)
     lse = tl.where(has_keys, m + tl.log2(total), float("-inf"))
@@ -145,9 +183,8 @@ def _decode_merge_kernel(
         mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
         part = seq.to(tl.int64) * stride_pob + head[:, None] * stride_poh + dims[None, :]
         acc = tl.zeros([G_PAD, HEAD_DIM_PAD], tl.float32)
-        for i in range(0, num_splits):
-            weight = tl.exp2(tl.load(part_lse_ptr + seq * stride_plb + head * stride_plh + i,
-                                     mask=row_valid, other=float("-inf")) - m)
+        for i in range(0, used_splits):
+            weight = tl.exp2(tl.load(lse_row + i, mask=row_valid, other=float("-inf")) - m)
             acc += weight[:, None] * tl.load(part_out_ptr + part + i * stride_pos, mask=mask, other=0.0)
         tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + dims[None, :],
                  (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
@@ -155,85 +192,82 @@ def _decode_merge_kernel(
             tl.store(lse_ptr + seq * stride_lb + head, lse * LN2, mask=row_valid)
 
     if SCORES:
-        context_len = tl.load(context_lens_ptr + seq)
-        start = split * split_len
-        end = tl.minimum(start + split_len, context_len)
         table = table_ptr + seq * stride_table_b + kv_head * stride_table_h
-        logits_rows = logits_ptr + seq.to(tl.int64) * stride_lgb + head[:, None] * stride_lgh
         for n in range(start, end, BLOCK_N):
             slots = n + tl.arange(0, BLOCK_N)
             slot_valid = slots < end
-            logits = tl.load(logits_rows + slots[None, :], mask=row_valid[:, None] & slot_valid[None, :],
-                             other=float("-inf"))
+            blocks = _block_numbers(table, slots, slot_valid, BLOCK_SIZE)
+            logits = tl.load(logits_ptr + (blocks * stride_lgb + slots % BLOCK_SIZE)[None, :]
+                             + head[:, None] * stride_lgh,
+                             mask=row_valid[:, None] & slot_valid[None, :], other=float("-inf"))
             score = tl.sum(tl.exp2(logits - tl.where(has_keys, lse, 0.0)[:, None]), 0)  # padding rows: 0
-            offs = _kv_offsets(table, slots, slot_valid, BLOCK_SIZE, stride_sb, 1) + kv_head * stride_sh
-            # Atomic: two sequences may share a block (e.g. a common prefix).
-            tl.atomic_add(score_ptr + offs, score, mask=slot_valid)
+            offs = blocks * stride_sb + kv_head * stride_sh + slots % BLOCK_SIZE
+            # No two programs of a call write one slot; relaxed (not ordered) atomics keep
+            # concurrent calls on a shared block correct at no ordering cost.
+            tl.atomic_add(score_ptr + offs, score, mask=slot_valid, sem="relaxed")
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   num_splits: int, return_lse: bool = False,
-                                  score_cache: torch.Tensor | None = None,
-                                  workspace: DecodeWorkspace | None = None):
+                                  score_cache: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+                                  workspace: DecodeWorkspace | None = None, out: torch.Tensor | None = None):
     """One query per sequence: q [B, Hq, D] -> out [B, Hq, D] (and lse [B, Hq]),
     as paged_attention_ref with cu_seqlens_q = arange(B + 1).
 
-    Flash-decoding: each sequence's context is cut into num_splits contiguous
-    ranges of split_len slots, split_len = cdiv(max_blocks * block_size,
-    num_splits) rounded up to a tile, so many programs share one long context;
-    a merge kernel then combines the ranges. Every launch parameter follows
-    from shapes (the block table's width, not the context lengths), so a CUDA
-    graph captured once replays correctly for any context lengths that fit
-    the table. Rows with context_len 0 (graph padding) give output 0, lse -inf.
+    Flash-decoding: each sequence's context is cut into up to num_splits
+    ranges (_split_range), processed in parallel and combined by a merge
+    kernel. Every launch parameter follows from shapes, never from context
+    lengths, so a CUDA graph captured once replays correctly for any context
+    lengths that fit the table. Rows with context_len 0 (graph padding) give
+    output 0, lse -inf.
 
     score_cache [num_blocks, Hkv, block_size] fp32, if given, gets added (in
     place) for every visible slot the softmax probabilities of that key,
-    summed over the G query heads of its KV head.
+    summed over the G query heads of its KV head; logits (logits_scratch())
+    holds the raw scores meanwhile.
 
-    workspace: scratch from decode_workspace(). If None it is allocated per
-    call, which is fine eagerly; under CUDA graphs pass one allocated before
-    capture, shared by all layers and all captured batch sizes.
+    workspace (decode_workspace()) and logits are allocated per call if None,
+    which is fine eagerly; under CUDA graphs pass ones allocated before capture,
+    shared by all layers and all captured batch sizes. out: where to write
+    (a [B, Hq, D] view), else a new tensor.
     """
     _check_cache(q, k_cache, v_cache)
     B, Hq, D = q.shape
-    Hkv, block_size = k_cache.shape[1], k_cache.shape[2]
+    num_blocks, Hkv, block_size = k_cache.shape[:3]
     G = Hq // Hkv
-    max_slots = block_tables.shape[-1] * block_size
-    split_len = triton.cdiv(triton.cdiv(max_slots, num_splits), BLOCK_N) * BLOCK_N
     scores = score_cache is not None
     if workspace is None:
-        workspace = decode_workspace(B, Hq, D, num_splits, max_slots, scores, q.device)
-    part_out, part_lse, logits = workspace.partial_out, workspace.partial_lse, workspace.logits
-    assert part_out.shape[0] >= B and part_out.shape[1:] == (Hq, num_splits, D), "workspace does not fit"
+        workspace = decode_workspace(B * Hq * num_splits, D, q.device)
+    part_out, part_lse = workspace.views(B, Hq, num_splits, D)
     if scores:
-        assert logits.shape[0] >= B and logits.shape[1] == Hq and logits.shape[2] >= max_slots, \
-            "workspace has no room for the logits of max_blocks * block_size slots"
+        if logits is None:
+            logits = logits_scratch(num_blocks, Hq, block_size, q.device)
+        assert logits.shape == (num_blocks, Hq, block_size) and logits.dtype == torch.float32, logits.shape
         assert score_cache.shape == k_cache.shape[:3] and score_cache.dtype == torch.float32
-        assert score_cache.stride(-1) == 1
+        assert score_cache.stride(-1) == 1 and logits.stride(-1) == 1
     else:
         logits = score_cache = part_lse   # stand-ins the kernels never touch with scores off
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
     if B == 0:
         return (out, lse) if return_lse else out
 
     upcast, precision = _dot_config(q.dtype)
     table_strides = _block_table_strides(block_tables, Hkv)
+    block_n, num_warps = kv_tile(q.dtype)
     common = dict(HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
-                  G=G, BLOCK_N=BLOCK_N)
+                  G=G, BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT)
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, logits,
-        scale * LOG2E, split_len,
+        scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *table_strides,
         *part_out.stride()[:3], *part_lse.stride()[:2], *logits.stride()[:2],
         BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(G)),
-        UPCAST=upcast, DOT_PRECISION=precision, SAVE_LOGITS=scores, **common)
+        UPCAST=upcast, DOT_PRECISION=precision, SAVE_LOGITS=scores, num_warps=num_warps, **common)
     _decode_merge_kernel[(B, Hkv, num_splits)](
-        part_out, part_lse, out, lse, logits, score_cache, block_tables, context_lens,
-        num_splits, split_len,
+        part_out, part_lse, out, lse, logits, score_cache, block_tables, context_lens, num_splits,
         *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), lse.stride(0),
         *logits.stride()[:2], *score_cache.stride()[:2], *table_strides,
-        G_PAD=triton.next_power_of_2(G), SPLITS_PAD=triton.next_power_of_2(num_splits),
-        RETURN_LSE=return_lse, SCORES=scores, **common)
+        G_PAD=triton.next_power_of_2(G), RETURN_LSE=return_lse, SCORES=scores, **common)
     return (out, lse) if return_lse else out

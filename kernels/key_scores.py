@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import _block_table_strides, _dot_config
+from kernels.attention_triton import _block_table_strides, _dot_config, kv_tile
 
 
 def _per_head_tables(block_tables: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -162,8 +162,12 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
         max_context_len = int(context_lens.max())
     # Up to 64 query rows per dot (>= 16, the smallest tile tl.dot compiles on a
     # GPU); fewer when the chunks are short, so decode rows do not pad to 64.
-    block_m = max(16, triton.next_power_of_2(G), min(64, triton.next_power_of_2(max_query_len * G)))
-    block_n = 64
+    # Exact fp32 dots need small tiles not to spill (kernels/compile_check.py).
+    fp32 = q.dtype == torch.float32
+    block_m = max(16, triton.next_power_of_2(G), min(16 if fp32 else 64, triton.next_power_of_2(max_query_len * G)))
+    block_n, num_warps = kv_tile(q.dtype)
+    if fp32:
+        block_n //= 2   # the K tile stays in registers for the whole loop
     grid = (len(context_lens), triton.cdiv(max_context_len, block_n), Hkv)
     _accumulate_key_scores_kernel[grid](
         q, k_cache, score_cache, block_tables, cu_seqlens_q, context_lens, lse,
@@ -176,4 +180,5 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
         G=G, HEAD_DIM=D, HEAD_DIM_PADDED=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_m // G, BLOCK_N=block_n,
         DOT_IN_FP32=_dot_config(q.dtype)[0],   # the interpreter's bf16 tl.dot is wrong
+        num_warps=num_warps,
     )

@@ -63,8 +63,9 @@ class Attention(nn.Module):
                          meta.slot_mapping, positions)
         out = kernels.paged_attention(q, layer.k, layer.v, meta.block_tables, meta.cu_seqlens_q,
                                       meta.context_lens, self.scale, max_query_len=meta.max_query_len,
-                                      max_context_len=meta.max_context_len,
-                                      score_cache=layer.scores if meta.accumulate_scores else None)
+                                      max_context_len=meta.max_context_len, num_decodes=meta.num_decodes,
+                                      score_cache=layer.scores if meta.accumulate_scores else None,
+                                      logits=layer.logits, workspace=meta.decode_workspace)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.decode_attention import DecodeWorkspace
 
 
 @dataclass
@@ -11,6 +15,8 @@ class AttentionMetadata:
     """Where each new token goes in the paged cache, and what each sequence attends to.
 
     The batch is flat: sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
+    Sequences that decode (one query each) come first, so that their rows go to
+    flash-decoding together and the prompt chunks after them to the prefill kernel.
     """
     slot_mapping: torch.Tensor   # [T] int64: cache slot of each new token (-1: padding)
     cu_seqlens_q: torch.Tensor   # [B+1] int32: query row offsets
@@ -18,4 +24,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # [B, max_blocks] int32: the sequence's blocks, padded with 0
     max_query_len: int           # longest query chunk (1: a pure decode step)
     max_context_len: int         # an upper bound of context_lens (decode graphs: max_model_len)
+    num_decodes: int = 0         # the first num_decodes sequences have one query each
     accumulate_scores: bool = False  # add each key's attention probabilities to its slot's score
+    decode_workspace: DecodeWorkspace | None = None  # flash-decoding's scratch, allocated once (None: per call)

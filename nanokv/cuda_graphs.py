@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.decode_attention import DecodeWorkspace
 from nanokv.attention import AttentionMetadata
 from nanokv.kv_cache import KVCache
 
@@ -25,9 +26,10 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, max_num_seqs: int,
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, workspace: DecodeWorkspace, max_num_seqs: int,
                  max_blocks_per_seq: int, max_model_len: int):
         self.model, self.kv_cache, self.max_model_len = model, kv_cache, max_model_len
+        self.workspace = workspace   # allocated outside the graphs, so the memory profile saw it
         device = kv_cache.k.device
         n = max_num_seqs
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -55,7 +57,8 @@ class DecodeGraphs:
     def _metadata(self, bs: int, scores: bool) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
                                  context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
-                                 max_query_len=1, max_context_len=self.max_model_len, accumulate_scores=scores)
+                                 max_query_len=1, max_context_len=self.max_model_len, num_decodes=bs,
+                                 accumulate_scores=scores, decode_workspace=self.workspace)
 
     @torch.inference_mode()
     def _forward(self, bs: int, scores: bool) -> None:

@@ -3,6 +3,9 @@
 Beside K and V, every slot of every KV head carries the metadata eviction
 needs, laid out like the cache so kernels read it through the same block
 tables: the original token position (int32) and an attention score (fp32).
+One more buffer of the pool's shape is scratch, shared by all layers: the
+raw attention logits a scored decode step keeps per slot and query head
+until it knows each query's softmax denominator (kernels/decode_attention.py).
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import logits_scratch
 from nanokv.config import ModelConfig
 
 
@@ -20,6 +24,7 @@ class LayerCache:
     v: torch.Tensor          # [num_blocks, num_kv_heads, block_size, head_dim]
     positions: torch.Tensor  # [num_blocks, num_kv_heads, block_size] int32
     scores: torch.Tensor     # [num_blocks, num_kv_heads, block_size] float32
+    logits: torch.Tensor     # [num_blocks, num_heads, block_size] float32 scratch, the same for every layer
 
 
 class KVCache:
@@ -35,16 +40,18 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
         self.positions = torch.zeros(shape, dtype=torch.int32, device=device)
         self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.logits = logits_scratch(num_blocks, model.num_heads, block_size, device)
 
     def layer(self, i: int) -> LayerCache:
-        return LayerCache(self.k[i], self.v[i], self.positions[i], self.scores[i])
+        return LayerCache(self.k[i], self.v[i], self.positions[i], self.scores[i], self.logits)
 
     @staticmethod
     def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Memory of one block across all layers: K and V, plus position and score."""
+        """Memory of one block: K and V, position and score in every layer, and the logits scratch."""
         kv = 2 * model.head_dim * torch.finfo(dtype).bits // 8
         metadata = 4 + 4
-        return model.num_layers * model.num_kv_heads * block_size * (kv + metadata)
+        logits = 4 * model.num_heads * block_size
+        return model.num_layers * model.num_kv_heads * block_size * (kv + metadata) + logits
 
 
 class BlockManager:

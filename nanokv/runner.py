@@ -51,13 +51,19 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = model
         model_config = model.config
+        # Flash-decoding's split partials, allocated before the memory profile counts what is in use.
+        self.decode_workspace = None
+        if kernels.BACKEND == "triton":
+            self.decode_workspace = kernels.decode_workspace_for(
+                config.max_num_seqs, model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
+                config.max_model_len, device)
         num_blocks = self._num_kv_blocks(model_config, dtype)
         self.kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, device)
         self.sampler = Sampler(device, config.seed)
         self.timings: Timings | None = None   # set to Timings() to measure (syncs the device)
         self.graphs = None   # CUDA graphs need the Triton kernels: the references synchronise
         if device.type == "cuda" and kernels.BACKEND == "triton" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
+            self.graphs = DecodeGraphs(self.model, self.kv_cache, self.decode_workspace, config.max_num_seqs,
                                        -(-config.max_model_len // config.block_size), config.max_model_len)
 
     def _num_kv_blocks(self, model_config: ModelConfig, dtype: torch.dtype) -> int:
@@ -110,11 +116,13 @@ class ModelRunner:
         self.model.compute_logits(hidden[-self.config.max_num_seqs:])
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Flatten the batch into the step's tensors and note which rows get logits."""
+        """Flatten the batch into the step's tensors, decodes first (AttentionMetadata),
+        and note which rows get logits."""
         step = StepInputs()
         ids, positions, slots, cu_seqlens, context_lens = [], [], [], [0], []
         bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        order = sorted(zip(batch.seqs, batch.num_new_tokens), key=lambda seq_n: seq_n[1] != 1)   # stable
+        for seq, n in order:
             start, first_slot = seq.num_computed_tokens, seq.num_kv_slots
             ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)   # true positions, also after eviction
@@ -129,7 +137,7 @@ class ModelRunner:
                 step.sample_rows.append(cu_seqlens[-1] - 1)
                 step.sampled_seqs.append(seq)
         width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in order]
 
         def tensor(x, dtype):
             return torch.tensor(x, dtype=dtype, device=self.device)
@@ -138,7 +146,9 @@ class ModelRunner:
             slot_mapping=tensor(slots, torch.long), cu_seqlens_q=tensor(cu_seqlens, torch.int32),
             context_lens=tensor(context_lens, torch.int32), block_tables=tensor(tables, torch.int32),
             max_query_len=max(batch.num_new_tokens), max_context_len=max(context_lens),
-            accumulate_scores=any(seq.method.needs_scores for seq in batch.seqs))
+            num_decodes=batch.num_new_tokens.count(1),
+            accumulate_scores=any(seq.method.needs_scores for seq in batch.seqs),
+            decode_workspace=self.decode_workspace)
         return step
 
     @torch.inference_mode()

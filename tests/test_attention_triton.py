@@ -15,7 +15,8 @@ import torch
 from helpers import KERNEL_DEVICE
 from kernels.attention import paged_attention_ref
 from kernels.attention_triton import paged_attention_triton
-from kernels.decode_attention import decode_workspace, paged_decode_attention_triton
+import kernels
+from kernels.decode_attention import MIN_SPLIT, decode_workspace, logits_scratch, paged_decode_attention_triton
 
 # (out, lse) absolute = relative tolerances. 16-bit outputs are rounded once,
 # and the probabilities meet V in 16 bits, as in every flash-attention kernel;
@@ -281,10 +282,11 @@ def test_decode_without_scores_matches():
 
 
 def test_decode_workspace_reuse():
-    """As under CUDA-graph replay: one workspace, sized for a bigger batch and a
-    wider table, serves calls whose context lengths change; it is never cleared."""
+    """As under CUDA-graph replay: one workspace and one logits scratch, sized for a
+    bigger batch, serve calls whose context lengths change; they are never cleared."""
     Hkv, G, D, block_size, num_splits, width = 2, 3, 64, 16, 4, 8
-    workspace = decode_workspace(6, Hkv * G, D, num_splits, 10 * block_size, with_scores=True, device=KERNEL_DEVICE)
+    workspace = decode_workspace(6 * Hkv * G * num_splits, D, device=KERNEL_DEVICE)
+    logits = logits_scratch(32, Hkv * G, block_size, KERNEL_DEVICE)
     k_cache, v_cache = make_cache(32, Hkv, block_size, D, torch.float16, KERNEL_DEVICE)
     tables = scattered_tables([width * block_size] * 3, block_size, 32, width)
     q = torch.randn(3, Hkv * G, D).to(torch.float16)
@@ -293,12 +295,64 @@ def test_decode_workspace_reuse():
         context_lens = torch.tensor(lens, dtype=torch.int32)
         scores = torch.zeros(32, Hkv, block_size)
         out = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, num_splits,
-                                            score_cache=scores, workspace=workspace)
+                                            score_cache=scores, logits=logits, workspace=workspace)
         ref = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125)
         live = context_lens > 0
         assert_close(out[live], ref[live], TOL[torch.float16][0], "out")
         expected = dense_key_scores(q, k_cache, tables[:, None].expand(-1, Hkv, -1), context_lens, 0.125)
         assert_close(scores, expected, SCORE_TOL[torch.float16], "scores")
+    with pytest.raises(ValueError, match="decode workspace holds"):
+        paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, 64, workspace=workspace)
+
+
+def test_decode_splits_follow_each_context():
+    """Each sequence cuts its own context into splits of at least MIN_SPLIT slots, whatever
+    the table's width: a table as wide as a long max_model_len does not leave all the work
+    to one split, and a short context uses only its first splits."""
+    Hkv, G, D, block_size, num_splits = 1, 2, 16, 16, 8
+    width = 1024   # a 16k-slot table
+    lens = [0, 100, MIN_SPLIT, MIN_SPLIT + 1, 3 * MIN_SPLIT, 8 * MIN_SPLIT + 5]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 1
+    k_cache, v_cache = make_cache(num_blocks, Hkv, block_size, D, torch.float16, KERNEL_DEVICE)
+    tables = scattered_tables(lens, block_size, num_blocks, width)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), Hkv * G, D).half()
+    workspace = decode_workspace(len(lens) * Hkv * G * num_splits, D, KERNEL_DEVICE)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.25, num_splits,
+                                        workspace=workspace)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, torch.arange(len(lens) + 1, dtype=torch.int32),
+                              context_lens, 0.25)
+    assert_close(out[1:], ref[1:], TOL[torch.float16][0], "out")   # row 0: context 0, no keys
+    _, partial_lse = workspace.views(len(lens), Hkv * G, num_splits, D)
+    used = (partial_lse[:, 0] > float("-inf")).sum(dim=-1).tolist()   # splits that held slots
+    # 2053 slots: cdiv(2053, 8) = 257, a whole number of 64-slot fp16 tiles is 320, so 7 splits
+    # (cut from the table's 16384 slots instead, split 0 would hold them all).
+    assert used == [0, 1, 1, 2, 3, 7]
+
+
+def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
+    """kernels.paged_attention with the decodes first: their rows go to flash-decoding,
+    the chunks to the prefill kernel; out and the key scores match the references."""
+    block_size, Hkv, G, D = 16, 2, 3, 64
+    chunks = [(20, 1), (0, 1), (47, 1), (0, 37), (block_size + 3, 45)]
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv * G, D, torch.float32, KERNEL_DEVICE)
+    width = 6
+    k_cache, v_cache = make_cache(len(chunks) * width, Hkv, block_size, D, torch.float32, KERNEL_DEVICE)
+    tables = scattered_tables(context_lens.tolist(), block_size, len(chunks) * width, width)
+    launched = []
+    real_decode = kernels.paged_decode_attention_triton
+    monkeypatch.setattr(kernels, "paged_decode_attention_triton",
+                        lambda q, *args, **kw: launched.append(q.shape[0]) or real_decode(q, *args, **kw))
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setattr(kernels, "TRITON", backend == "triton")
+        scores = torch.zeros(k_cache.shape[:3])
+        out = kernels.paged_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
+                                      max_query_len=45, max_context_len=64, num_decodes=3, score_cache=scores)
+        results[backend] = out, scores
+    assert launched == [3]
+    assert_close(results["triton"][0], results["torch"][0], TOL[torch.float32][0], "out")
+    assert_close(results["triton"][1], results["torch"][1], SCORE_TOL[torch.float32], "scores")
 
 
 # ----------------------------------------------------------------------------
@@ -332,11 +386,12 @@ def test_decode_cuda_graph_replay():
     q = torch.randn(4, Hkv * G, D, device="cuda").to(torch.bfloat16)
     context_lens = torch.tensor([1, 1, 1, 1], dtype=torch.int32, device="cuda")
     scores = torch.zeros(4 * width, Hkv, block_size, device="cuda")
-    workspace = decode_workspace(4, Hkv * G, D, num_splits, width * block_size, with_scores=True, device="cuda")
+    workspace = decode_workspace(4 * Hkv * G * num_splits, D, device="cuda")
+    logits = logits_scratch(4 * width, Hkv * G, block_size, "cuda")
 
     def run():
         return paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, num_splits,
-                                             score_cache=scores, workspace=workspace)
+                                             score_cache=scores, logits=logits, workspace=workspace)
 
     run()   # compile outside the capture
     graph = torch.cuda.CUDAGraph()

@@ -60,7 +60,7 @@ def test_replayed_decode_steps_match_eager(tmp_path, recorded_graphs):
     for graphed in (False, True):
         llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=160, max_num_seqs=12)
         if graphed:
-            llm.runner.graphs = DecodeGraphs(llm.runner.model, llm.runner.kv_cache, 12, 10, 160)
+            llm.runner.graphs = DecodeGraphs(llm.runner.model, llm.runner.kv_cache, llm.runner.decode_workspace, 12, 10, 160)
             assert set(llm.runner.graphs.graphs) == {(bs, s) for bs in (1, 2, 4, 8, 12) for s in (True, False)}
         outs.append([o.token_ids for o in llm.generate(prompts, params)])
         outs.append([o.token_ids for o in llm.generate(prompts[::2], params[::2])])   # full only: no scores

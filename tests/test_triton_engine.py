@@ -83,3 +83,23 @@ def test_evicting_requests_in_cuda_graphs_match_eager(tmp_path, backend):
         runs.append(llm.generate(prompts, params))
     for a, b in zip(*runs):
         assert a.token_ids == b.token_ids and torch.equal(a.kept_positions, b.kept_positions)
+
+
+def test_a_mixed_step_puts_its_decodes_first(tmp_path):
+    """Flash-decoding takes the leading one-query sequences (AttentionMetadata.num_decodes),
+    so the runner orders them first, whatever order the scheduler chose."""
+    from nanokv.scheduler import ScheduledBatch
+    from nanokv.sequence import Sequence
+
+    make_tiny_model(tmp_path, "llama")
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=160)
+    chunk = Sequence(0, list(range(40)), SamplingParams(), block_table=[0, 1, 2])
+    decode = Sequence(1, [5, 6, 7], SamplingParams(), output_token_ids=[9], block_table=[3],
+                      num_computed_tokens=3, num_kv_slots=3)
+    step = llm.runner.prepare(ScheduledBatch(seqs=[chunk, decode], num_new_tokens=[40, 1]))
+    assert step.meta.num_decodes == 1
+    assert step.meta.cu_seqlens_q.tolist() == [0, 1, 41]
+    assert step.meta.context_lens.tolist() == [4, 40]
+    assert step.meta.block_tables.tolist() == [[3, 0, 0], [0, 1, 2]]
+    assert step.input_ids[0].item() == 9 and step.positions[:2].tolist() == [3, 0]
+    assert step.sample_rows == [0, 40] and step.sampled_seqs == [decode, chunk]

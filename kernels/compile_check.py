@@ -1,0 +1,280 @@
+"""Compile the Triton kernels nanokv launches for real GPUs, on a machine without one.
+
+    python -m kernels.compile_check [--arch 90 80] [--json]
+
+A stand-in Triton driver reports a CUDA target (sm_90: H100/H200, sm_80:
+A100) and every launch goes to `JITFunction.run(..., warmup=True)`, which
+specialises and compiles exactly as a real launch would, then stops before
+loading anything. The public wrappers themselves are called, on small CPU
+tensors with the dtypes and strides of real models, so what compiles is what
+the engine launches. For every kernel the check reads registers, spills and
+local memory (cuobjdump on the cubin), shared memory, warps and stages, and
+whether the attention kernels double-buffer K and V (two K/V tiles allocated
+in shared memory in the TTGIR: loads of the next tile overlap the math on
+this one). `problems()` says what is wrong; tests/test_compile_check.py
+asserts there is nothing.
+
+Needs the real (not interpreted) Triton: run it without TRITON_INTERPRET.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+# Shared memory one program may use (the opt-in per-block maximum).
+SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
+ATTENTION_KERNELS = ("_paged_attention_kernel", "_decode_split_kernel")
+
+
+@dataclass
+class CompiledKernel:
+    case: str            # what the wrapper was asked to do
+    kernel: str          # the Triton function compiled
+    arch: int
+    registers: int       # per thread
+    local_bytes: int     # per thread: spills and stack (0 when nothing spills)
+    shared_bytes: int    # per program
+    num_warps: int
+    num_stages: int
+    kv_buffers: int      # K/V tiles in shared memory, per operand (0: loaded straight to registers)
+
+
+class StandInDriver:
+    """What Triton asks of its driver to compile for `arch`; nothing here can launch."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+def _resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, local memory bytes) of the one function in a cubin, from cuobjdump."""
+    import triton
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    match = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+    if match is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output:\n{usage}")
+    registers, stack, local = map(int, match.groups())
+    return registers, stack + local
+
+
+def _kv_buffers(ttgir: str) -> int:
+    """How many K (and V) tiles the kernel keeps in shared memory: the leading dimension
+    of its 3-D mutable local allocations [buffers, BLOCK_N, head_dim]."""
+    depths = re.findall(r"local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)
+    return min(map(int, depths)) if len(depths) >= 2 else 0
+
+
+def compile_cases(arch: int, cases: dict[str, Callable[[], None]]) -> list[CompiledKernel]:
+    """Run each case with every Triton launch compiled for `arch` instead of run.
+
+    One architecture per process: Triton keeps the target of each kernel's first
+    launch, and this process never launches anything for real afterwards.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("kernels.compile_check needs the real Triton compiler: unset TRITON_INTERPRET")
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    compiled: list[tuple[str, str, object]] = []
+    current = [""]
+
+    def compile_only(self, grid):
+        def launch(*args, **kwargs):
+            kernel = self.run(*args, grid=grid, warmup=True, **kwargs)
+            compiled.append((current[0], self.fn.__name__, kernel))
+        return launch
+
+    driver.set_active(StandInDriver(arch))
+    JITFunction.__getitem__ = compile_only
+    for name, case in cases.items():
+        current[0] = name
+        case()
+    records = []
+    for case, kernel_name, kernel in compiled:
+        registers, local = _resources(kernel.asm["cubin"])
+        records.append(CompiledKernel(case, kernel_name, arch, registers, local, kernel.metadata.shared,
+                                      kernel.metadata.num_warps, kernel.metadata.num_stages,
+                                      _kv_buffers(kernel.asm["ttgir"])))
+    return records
+
+
+def problems(record: CompiledKernel) -> list[str]:
+    """What is wrong with one compiled kernel: spills, too much shared memory, or 16-bit
+    attention that does not overlap its K/V loads with the math."""
+    found = []
+    where = f"{record.kernel} [{record.case}] on sm_{record.arch}"
+    if record.local_bytes:
+        found.append(f"{where}: {record.local_bytes} bytes of local memory per thread (spills)")
+    if record.shared_bytes > SHARED_LIMIT[record.arch]:
+        found.append(f"{where}: {record.shared_bytes} bytes of shared memory, the limit is "
+                     f"{SHARED_LIMIT[record.arch]}")
+    if record.kernel in ATTENTION_KERNELS and "fp32" not in record.case and record.kv_buffers < 2:
+        found.append(f"{where}: K/V single-buffered ({record.kv_buffers} tiles): loads do not overlap the math")
+    return found
+
+
+# ----- the cases: the wrappers at the shapes that matter ------------------------------------
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# name: (query heads, KV heads, head_dim, hidden, intermediate)
+SHAPES = {"llama-3.1-8b": (32, 8, 128, 4096, 14336), "smollm2-135m": (9, 3, 64, 576, 1536),
+          "qwen3-0.6b": (16, 8, 128, 1024, 3072), "mha-128": (8, 8, 128, 1024, 2048),
+          "gqa8-128": (64, 8, 128, 8192, 28672)}
+
+
+def _qkv(tokens: int, hq: int, hkv: int, d: int, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the model makes them: views of one fused projection output."""
+    qkv = torch.zeros(tokens, (hq + 2 * hkv) * d, dtype=dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    return q.view(tokens, hq, d), k.view(tokens, hkv, d), v.view(tokens, hkv, d)
+
+
+def _attention_case(kind: str, shape: str, dtype: str, block_size: int, query_len: int = 1,
+                    scores: bool = False) -> Callable[[], None]:
+    from kernels import decode_num_splits
+    from kernels.attention_triton import paged_attention_triton
+    from kernels.decode_attention import paged_decode_attention_triton
+    from kernels.key_scores import accumulate_key_scores_triton
+
+    def run():
+        hq, hkv, d = SHAPES[shape][:3]
+        dt = DTYPES[dtype]
+        num_blocks, width = 8, 4
+        k_cache = torch.zeros(num_blocks, hkv, block_size, d, dtype=dt)
+        v_cache = torch.zeros_like(k_cache)
+        score_cache = torch.zeros(num_blocks, hkv, block_size)
+        tables = torch.zeros(2, width, dtype=torch.int32)
+        lens = torch.ones(2, dtype=torch.int32)
+        if kind == "decode":
+            q = _qkv(2, hq, hkv, d, dt)[0]
+            paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.1, decode_num_splits(2, hkv, 4096),
+                                          score_cache=score_cache if scores else None)
+            return
+        q = _qkv(2 * query_len, hq, hkv, d, dt)[0]
+        cu_seqlens = torch.tensor([0, query_len, 2 * query_len], dtype=torch.int32)
+        out, lse = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens, lens, 0.1, return_lse=True,
+                                          max_query_len=query_len)
+        if kind == "key_scores":
+            accumulate_key_scores_triton(q, k_cache, score_cache, tables, cu_seqlens, lens, lse, 0.1,
+                                         max_query_len=query_len, max_context_len=4096)
+    return run
+
+
+def _elementwise_case(shape: str, dtype: str) -> Callable[[], None]:
+    from kernels.activation import silu_and_mul_triton
+    from kernels.kv_store import store_kv_triton
+    from kernels.norm import add_rms_norm_triton, rms_norm_triton
+    from kernels.rope import apply_rope_triton
+
+    def run():
+        hq, hkv, d, hidden, inter = SHAPES[shape]
+        dt, tokens = DTYPES[dtype], 4
+        x, residual = torch.zeros(tokens, hidden, dtype=dt), torch.zeros(tokens, hidden, dtype=dt)
+        rms_norm_triton(x, torch.ones(hidden, dtype=dt), 1e-5)
+        add_rms_norm_triton(x, residual, torch.ones(hidden, dtype=dt), 1e-5)
+        q, k, v = _qkv(tokens, hq, hkv, d, dt)
+        rms_norm_triton(q, torch.ones(d, dtype=dt), 1e-5)   # Qwen3's per-head q/k norm
+        apply_rope_triton(q, k, torch.zeros(tokens, dtype=torch.long), torch.zeros(64, d))
+        silu_and_mul_triton(torch.zeros(tokens, 2 * inter, dtype=dt))
+        k_cache = torch.zeros(8, hkv, 16, d, dtype=dt)
+        store_kv_triton(k, v, k_cache, torch.zeros_like(k_cache), torch.zeros(8, hkv, 16, dtype=torch.int32),
+                        torch.zeros(8, hkv, 16), torch.zeros(tokens, dtype=torch.long),
+                        torch.zeros(tokens, dtype=torch.long))
+    return run
+
+
+def default_cases() -> dict[str, Callable[[], None]]:
+    """A representative subset (the full product of dtypes, head_dims, block sizes and
+    groups compiles too, in ~30 minutes): each dtype, head_dim 64 and 128, block 16
+    and 256, GQA groups 1, 3, 4 and 8, decode with and without scores, prefill with
+    long and short query tiles, key scores, every elementwise kernel."""
+    cases = {}
+    for shape, dtype, block_size in (("llama-3.1-8b", "bf16", 16), ("smollm2-135m", "bf16", 16),
+                                     ("gqa8-128", "fp16", 256), ("mha-128", "bf16", 16),
+                                     ("smollm2-135m", "fp32", 16), ("llama-3.1-8b", "fp32", 16)):
+        tag = f"{shape} {dtype} block {block_size}"
+        for scores in (False, True):
+            cases[f"decode{' + scores' if scores else ''}, {tag}"] = _attention_case(
+                "decode", shape, dtype, block_size, scores=scores)
+        cases[f"prefill 512, {tag}"] = _attention_case("prefill", shape, dtype, block_size, query_len=512)
+        cases[f"key scores 512, {tag}"] = _attention_case("key_scores", shape, dtype, block_size, query_len=512)
+    cases["prefill 2 (short tile), llama-3.1-8b bf16 block 16"] = _attention_case(
+        "prefill", "llama-3.1-8b", "bf16", 16, query_len=2)
+    for shape, dtype in (("llama-3.1-8b", "bf16"), ("smollm2-135m", "bf16"), ("qwen3-0.6b", "fp16"),
+                         ("smollm2-135m", "fp32")):
+        cases[f"elementwise, {shape} {dtype}"] = _elementwise_case(shape, dtype)
+    return cases
+
+
+def run_in_subprocesses(archs: list[int], only: str = "") -> list[CompiledKernel]:
+    """compile_cases for each architecture in its own process (in parallel), with the
+    interpreter off and a fresh Triton cache, so everything really compiles."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # Triton's default; set, so 3.9 does not warn
+    with tempfile.TemporaryDirectory() as cache:
+        env["TRITON_CACHE_DIR"] = cache
+        runs = [subprocess.Popen([sys.executable, "-m", "kernels.compile_check", "--json", "--arch", str(arch),
+                                  "--only", only],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                for arch in archs]
+        outputs = [run.communicate() for run in runs]
+    for run, (_, err) in zip(runs, outputs):
+        if run.returncode:
+            raise RuntimeError(f"compiling failed:\n{err}")
+    return [CompiledKernel(**json.loads(line)) for out, _ in outputs for line in out.splitlines()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80], choices=sorted(SHARED_LIMIT))
+    parser.add_argument("--only", default="", help="only the cases whose name contains this")
+    parser.add_argument("--json", action="store_true", help="one architecture, in this process: a JSON "
+                        "record per compiled kernel")
+    args = parser.parse_args()
+    if args.json:
+        (arch,) = args.arch
+        cases = {name: case for name, case in default_cases().items() if args.only in name}
+        for r in compile_cases(arch, cases):
+            print(json.dumps(asdict(r)))
+        return
+    records = run_in_subprocesses(args.arch, args.only)
+    print("| arch | kernel | case | regs | local B | shared KB | warps | stages | K/V tiles |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in records:
+        print(f"| sm_{r.arch} | {r.kernel} | {r.case} | {r.registers} | {r.local_bytes} | "
+              f"{r.shared_bytes / 1024:.1f} | {r.num_warps} | {r.num_stages} | {r.kv_buffers} |")
+    found = [p for r in records for p in problems(r)]
+    print("\n" + ("\n".join(found) if found else "no problems"))
+    sys.exit(1 if found else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Every Triton kernel the wrappers launch, compiled for sm_90 and sm_80 with no GPU
+(kernels/compile_check.py): it compiles, nothing spills, shared memory fits, and the
+attention kernels overlap their K/V loads with the math. The catch for a broken
+kernel before a user with a GPU finds it."""
+import pytest
+
+from kernels import decode_programs_per_sm
+from kernels.compile_check import SHARED_LIMIT, problems, run_in_subprocesses
+
+KERNELS = {"_decode_split_kernel", "_decode_merge_kernel", "_paged_attention_kernel",
+           "_accumulate_key_scores_kernel", "_rms_norm_kernel", "_rope_kernel", "_silu_and_mul_kernel",
+           "_store_kv_kernel"}
+SHARED_PER_SM = {90: 228 * 1024, 80: 164 * 1024}   # an SM's shared memory; 1 KB of it per program is reserved
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return run_in_subprocesses([90, 80])
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_every_kernel_compiles_without_problems(compiled, arch):
+    records = [r for r in compiled if r.arch == arch]
+    assert {r.kernel for r in records} == KERNELS
+    assert [p for r in records for p in problems(r)] == []
+
+
+def test_decode_programs_per_sm_holds(compiled):
+    """kernels.decode_programs_per_sm sizes the decode grid: that many 16-bit decode
+    programs at head_dim 128 must fit in one SM's shared memory."""
+    for r in compiled:
+        if r.kernel == "_decode_split_kernel" and "fp32" not in r.case and ("128" in r.case or "8b" in r.case):
+            resident = decode_programs_per_sm(r.arch // 10)
+            assert resident * (r.shared_bytes + 1024) <= SHARED_PER_SM[r.arch], r
+            assert r.shared_bytes <= SHARED_LIMIT[r.arch]
+
+
+def test_problems_are_reported():
+    """The checks themselves: a spill, too much shared memory, a single K/V buffer."""
+    from kernels.compile_check import CompiledKernel
+    fine = CompiledKernel("decode, bf16", "_decode_split_kernel", 90, 96, 0, 72 * 1024, 4, 3, 2)
+    assert problems(fine) == []
+    bad = CompiledKernel("decode, bf16", "_decode_split_kernel", 80, 255, 8, 200 * 1024, 4, 3, 1)
+    assert len(problems(bad)) == 3
