@@ -5,6 +5,8 @@
     python bench.py --mode workload      nano-vllm's workload (256 requests), with and without eviction
     python bench.py --mode sweep         methods x budgets x batches x input lengths, as JSON lines
     python bench.py --mode hf            nanokv against HF transformers `generate` on the CPU
+    python bench.py --mode gpu-report --report gpu.md
+                                         all a GPU session measures, in one report (nanokv/gpu_report.py)
 
 Models: --model DIR|HUB_ID (default: the bundled SmolLM2-135M) or --random-weights SHAPE
 (llama-3.1-8b, qwen3-0.6b, smollm2-135m: models/shapes.py). Throughput does not depend on
@@ -56,15 +58,20 @@ from nanokv import LLM, SamplingParams
 from nanokv.kv_cache import KVCache
 from nanokv.runner import Timings
 
-PRESETS = {   # static batches only, under 2 minutes on one CPU core (docs/BENCH.md); full fits 2 requests
+PRESETS = {
+    # static batches only, under 2 minutes on one CPU core (docs/BENCH.md); full fits 2 requests
     "cpu-small": dict(mode="paper", input_len=512, output_len=32, kv_cache_gb=0.052, budgets=[128],
                       ed_budgets=[2], max_batch=16, num_requests=0),
+    # the paper's shape with a shorter output, static batches only: the gpu report's part (2-3 minutes)
+    "gpu-paper": dict(mode="paper", random_weights="llama-3.1-8b", input_len=3584, output_len=128,
+                      kv_cache_gb=4.0, budgets=[1024], ed_budgets=[2], max_batch=128, num_requests=0),
 }
 MODE_DEFAULTS = {
     "hf": dict(input_len=200, output_len=128),
     "paper": dict(input_len=3584, output_len=512, methods=["full", "ed", "batchmax"]),
     "sweep": dict(input_len=3584, output_len=512, methods=["full", "ed", "batchmax", "decode_only"]),
     "workload": dict(num_requests=256, methods=["full", "batchmax"], max_num_batched_tokens=16384),
+    "gpu-report": {},
 }
 
 
@@ -464,7 +471,7 @@ def bench_vs_hf(args) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags, with defaults that depend on the mode and the preset (the preset's win)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["paper", "workload", "sweep", "hf"])
+    p.add_argument("--mode", choices=["paper", "workload", "sweep", "hf", "gpu-report"])
     p.add_argument("--preset", choices=sorted(PRESETS))
     p.add_argument("--model", default=None, help="HF directory or hub id (default: the bundled SmolLM2-135M)")
     p.add_argument("--random-weights", metavar="SHAPE", choices=sorted(SHAPES),
@@ -492,6 +499,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="hf: batch size")
     p.add_argument("--out", help="append one JSON line per run here (sweep default: bench.jsonl)")
     p.add_argument("--plot", metavar="PNG", help="tokens/s and peak KV memory against batch size")
+    p.add_argument("--report", default="gpu-report.md", help="gpu-report: where the markdown report goes")
     first, _ = p.parse_known_args(argv)
     preset = PRESETS.get(first.preset, {})
     mode = first.mode or preset.get("mode", "paper")
@@ -511,6 +519,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.mode == "hf":
         bench_vs_hf(args)
         return []
+    if args.mode == "gpu-report":
+        from nanokv import gpu_report
+        sys.exit(gpu_report.main(args.report))
 
     def save(rec: dict) -> None:
         if args.out:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from kernels import decode_num_splits
+from kernels import decode_num_splits, decode_workspace_for
 from kernels.attention_triton import paged_attention_triton
 from kernels.decode_attention import decode_workspace, paged_decode_attention_triton
 from kernels.activation import silu_and_mul_triton
@@ -66,7 +66,7 @@ def decode_times(batch: int, ctx: int) -> tuple[float, float]:
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     splits = decode_num_splits(batch, hkv, ctx)
-    work = decode_workspace(batch, hq, d, splits, tables.shape[1] * block, False, "cuda")
+    work = decode_workspace(batch * hq * splits, d, "cuda")
     t = ms(lambda: paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5, splits, workspace=work))
     kc, vc = contiguous_kv(k, tables, ctx), contiguous_kv(v, tables, ctx)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
@@ -143,7 +143,8 @@ def bench_decode_step(bw: float) -> list[str]:
     cache = KVCache(cfg, batch * per_seq, block, torch.bfloat16, torch.device("cuda"))
     cache.k.normal_()
     cache.v.normal_()
-    graphs = DecodeGraphs(model, cache, batch, per_seq, max_len)
+    workspace = decode_workspace_for(batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_len, "cuda")
+    graphs = DecodeGraphs(model, cache, workspace, batch, per_seq, max_len)
     tables = torch.arange(batch * per_seq, device="cuda", dtype=torch.int32).view(batch, per_seq)
     ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
     positions = torch.full((batch,), ctx - 1, device="cuda")
