@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import kernels
+from nanokv.checks import check_token_ids
 from nanokv.config import EngineConfig, ModelConfig, resolve_dtype
 from nanokv.kv_cache import BlockManager
 import models.shapes as shapes   # a module import: models.shapes itself imports nanokv.config
@@ -64,6 +66,9 @@ class LLM:
         self.config = EngineConfig(model=model, dtype=dtype, **options)
         cfg = self.config
         make_method(cfg.kv_method, cfg.kv_budget, cfg.evict_every, cfg.block_size)   # check the defaults now
+        if kernels.BACKEND == "triton" and cfg.block_size < 16:
+            raise ValueError(f"block_size must be >= 16 with the Triton kernels, got {cfg.block_size} "
+                             "(NANOKV_KERNELS=torch takes any power of two)")
         device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(self.config.dtype, device)
         if model is not None and model.startswith(shapes.RANDOM_PREFIX):   # timing: no files, no tokenizer
@@ -112,12 +117,9 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (random weights): give prompts as token ids")
             ids = self.tokenizer.encode(prompt) if prompt else []
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, (list, tuple)):
+            check_token_ids("prompt", prompt, self.model_config.vocab_size)
             ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         else:
             raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
@@ -132,9 +134,12 @@ class LLM:
         return self._queue(prompt, self._prompt_ids(prompt), params)
 
     def _method(self, params: SamplingParams) -> KVMethod:
-        """The request's eviction method, its unset fields taken from the engine defaults."""
+        """The request's eviction method, its unset fields taken from the engine defaults.
+        Checks params again first: a dataclass can be changed after it was built."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        params.check()
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
         cfg = self.config
         name = params.kv_method or cfg.kv_method
         method = make_method(name, cfg.kv_budget if params.kv_budget is None else params.kv_budget,
