@@ -9,6 +9,8 @@ from nanokv.checks import (SEED_RANGE, check_bool, check_choice, check_float, ch
                            check_token_ids)
 from nanokv.eviction import METHODS
 
+FAILED = -1   # the token of a row that could not be sampled (its error is in Sampler.errors)
+
 
 @dataclass
 class SamplingParams:
@@ -60,13 +62,44 @@ class Sampler:
     race (argmax of p / E with E ~ Exp(1) draws from p); rows with a seed draw
     their E from their own generator, so their tokens do not depend on what
     else is in the batch.
+
+    A failure cannot be pinned on a row of the batched pass, so after one every
+    row is sampled again on its own: a row that fails alone gets the token
+    FAILED and its error in `errors`; greedy and seeded rows get the token the
+    batched pass would have given them (seeded streams are rewound first).
     """
 
     def __init__(self, device: torch.device, seed: int):
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.errors: dict[int, Exception] = {}   # row -> why it got FAILED, in row order
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
+        self.errors = {}
+        states = {}   # row -> its seeded stream before this call
+        try:
+            for row, gen in enumerate(generators):
+                if gen is not None:
+                    states[row] = gen.get_state()
+            return self._sample(logits, params, generators)
+        except Exception:
+            return self._sample_rows_alone(logits, params, generators, states)
+
+    def _sample_rows_alone(self, logits: torch.Tensor, params: list[SamplingParams],
+                           generators: list[torch.Generator | None], states: dict) -> torch.Tensor:
+        tokens = []
+        for row, (p, gen) in enumerate(zip(params, generators)):
+            try:
+                if row in states:   # rows without a state had drawn nothing yet
+                    gen.set_state(states[row])
+                tokens.append(int(self._sample(logits[row:row + 1], [p], [gen])[0]))
+            except Exception as error:
+                self.errors[row] = error
+                tokens.append(FAILED)
+        return torch.tensor(tokens, device=logits.device)
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
             return greedy

@@ -8,6 +8,7 @@ import kernels
 from helpers import VOCAB, make_tiny_model
 from nanokv import LLM, SamplingParams
 from nanokv.config import EngineConfig
+from nanokv.tokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -190,3 +191,70 @@ def test_block_size_any_power_of_two_on_the_references_at_least_16_with_triton(t
     with pytest.raises(ValueError, match="block_size must be >= 16 with the Triton kernels, got 8"):
         LLM(str(tiny_dir), block_size=8)
 
+
+# ----- a request that fails inside the engine ends alone ---------------------------------
+
+PROMPTS = [[1, 2, 3], [7, 7, 7], [4, 5, 6, 8, 9]]   # the middle one is made to fail
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def break_detokenizer(monkeypatch, prompt, after):
+    """The detokenizer of requests with this prompt raises on their output token after+1."""
+    add = IncrementalDetokenizer.add
+
+    def failing_add(self, new_ids):
+        if self.ids[:len(prompt)] == prompt and len(self.ids) + len(new_ids) > len(prompt) + after:
+            raise RuntimeError("detokenizer broke")
+        return add(self, new_ids)
+    monkeypatch.setattr(IncrementalDetokenizer, "add", failing_add)
+
+
+def assert_engine_is_clean(llm):
+    assert llm.blocks.num_free == llm.blocks.num_blocks
+    assert not llm.has_unfinished() and not llm.requests
+
+
+def test_a_request_that_fails_while_detokenizing_ends_alone(llm, monkeypatch):
+    clean = llm.generate(PROMPTS, GREEDY)
+    break_detokenizer(monkeypatch, PROMPTS[1], after=4)
+    outs = llm.generate(PROMPTS, GREEDY)   # returns, with the failed request's output
+    broken = outs[1]
+    assert broken.finished and broken.finish_reason == "error"
+    assert broken.error == "RuntimeError: detokenizer broke"
+    assert broken.token_ids == clean[1].token_ids[:5] and clean[1].text.startswith(broken.text)
+    for i in (0, 2):
+        assert (outs[i].token_ids, outs[i].text, outs[i].error) == (clean[i].token_ids, clean[i].text, None)
+    assert_engine_is_clean(llm)
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in clean]
+
+
+def test_a_request_whose_stop_string_check_raises_ends_alone_while_streaming(llm):
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["\x00\x01"]) for _ in PROMPTS]
+    clean = llm.generate(PROMPTS, params)
+    ids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    finished = [o for _ in range(3) for o in llm.step() if o.finished]
+    params[1].stop = [None]   # matching it raises TypeError
+    while llm.has_unfinished():
+        finished += [o for o in llm.step() if o.finished]
+    outs = {o.request_id: o for o in finished}
+    assert len(finished) == 3 and outs[ids[1]].finish_reason == "error"
+    assert outs[ids[1]].error.startswith("TypeError") and len(outs[ids[1]].token_ids) == 4
+    assert [outs[ids[i]].token_ids for i in (0, 2)] == [clean[0].token_ids, clean[2].token_ids]
+    assert_engine_is_clean(llm)
+
+
+def test_a_request_the_sampler_fails_on_ends_alone(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    broken = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    clean = llm.generate(PROMPTS, [greedy, broken, seeded])
+    ids = [llm.add_request(p, sp) for p, sp in zip(PROMPTS, [greedy, broken, seeded])]
+    llm.step()
+    broken.top_k = "five"   # a bug that makes sampling its row raise
+    outs = {}
+    while llm.has_unfinished():
+        outs |= {o.request_id: o for o in llm.step() if o.finished}
+    assert outs[ids[1]].finish_reason == "error" and len(outs[ids[1]].token_ids) == 1
+    assert outs[ids[0]].token_ids == clean[0].token_ids and outs[ids[2]].token_ids == clean[2].token_ids
+    assert_engine_is_clean(llm)
