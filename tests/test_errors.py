@@ -184,12 +184,17 @@ def test_bad_engine_options(tiny_dir, options, error, message):
         LLM(str(tiny_dir), **options)
 
 
-def test_block_size_any_power_of_two_on_the_references_at_least_16_with_triton(tiny_dir, monkeypatch):
-    small = LLM(str(tiny_dir), dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=128)
-    assert len(small.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids) == 8
-    monkeypatch.setattr(kernels, "BACKEND", "triton")
-    with pytest.raises(ValueError, match="block_size must be >= 16 with the Triton kernels, got 8"):
-        LLM(str(tiny_dir), block_size=8)
+def test_block_size_any_power_of_two_on_the_references_at_least_16_with_triton(tiny_dir):
+    before = kernels.BACKEND
+    try:
+        kernels.set_backend("torch")
+        small = LLM(str(tiny_dir), dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=128)
+        assert len(small.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids) == 8
+        kernels.set_backend("triton")
+        with pytest.raises(ValueError, match="block_size must be >= 16 with the Triton kernels, got 8"):
+            LLM(str(tiny_dir), block_size=8)
+    finally:
+        kernels.set_backend(before)
 
 
 # ----- a request that fails inside the engine ends alone ---------------------------------
