@@ -53,6 +53,8 @@ class Chat:
                         continue
                     first = first or time.perf_counter()
                     self.out.write(out.new_text)
+                    if out.finish_reason == "error":
+                        self.out.write(f" [error: {out.error}]")
                     self.out.flush()
                     text, n = out.text, len(out.token_ids)
                 peak_blocks = max(peak_blocks, self.llm.blocks.num_blocks - self.llm.blocks.num_free)

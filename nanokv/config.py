@@ -9,6 +9,9 @@ from pathlib import Path
 
 import torch
 
+from nanokv.checks import SEED_RANGE, check_bool, check_choice, check_float, check_int, check_type
+from nanokv.eviction import METHODS
+
 # HF `architectures` name -> the family flags our one decoder needs.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": dict(qkv_bias=False, qk_norm=False),
@@ -96,7 +99,8 @@ class EngineConfig:
     model: str | None = None            # HF directory or hub id; None = the bundled SmolLM2-135M
     dtype: torch.dtype | str = "auto"   # auto: bfloat16 on CUDA, float32 on CPU
     device: str | None = None           # None: cuda if available, else cpu
-    block_size: int = 16                # KV pairs per cache block (per KV head)
+    block_size: int = 16                # KV pairs per cache block (per KV head); a power of two,
+                                        # >= 16 with the Triton kernels (the references take any)
     num_kv_blocks: int | None = None    # exact pool size; overrides kv_cache_gb
     kv_cache_gb: float | None = None    # pool size in GB (default on CPU: 1 GB)
     gpu_memory_utilization: float = 0.9  # on CUDA without a size: fraction of memory to use
@@ -111,14 +115,26 @@ class EngineConfig:
     evict_every: int = 64               # p: pairs evicted at a time
 
     def __post_init__(self):
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        check_type("model", self.model, (str,), "a model directory or hub id (str)", optional=True)
+        check_type("dtype", self.dtype, (str, torch.dtype), "a torch.dtype or its name")
+        check_type("device", self.device, (str, torch.device), "a device ('cuda', 'cpu', ...)", optional=True)
+        check_int("block_size", self.block_size, 1)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
+        check_float("kv_cache_gb", self.kv_cache_gb, 0, low_open=True, optional=True)
+        check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, low_open=True)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_batched_tokens < self.block_size:   # most likely the two mixed up
+            raise ValueError(f"max_num_batched_tokens must be at least block_size = {self.block_size}, "
+                             f"got {self.max_num_batched_tokens}")
+        check_int("max_model_len", self.max_model_len, 2, optional=True)
+        check_int("seed", self.seed, *SEED_RANGE)
+        check_bool("enforce_eager", self.enforce_eager)
+        check_choice("kv_method", self.kv_method, METHODS)   # LLM checks the method's budget with make_method
+        check_int("kv_budget", self.kv_budget, 1)
+        check_int("evict_every", self.evict_every, 1)
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:

@@ -15,12 +15,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import kernels
+from nanokv.checks import check_token_ids
 from nanokv.config import EngineConfig, ModelConfig, resolve_dtype
 from nanokv.kv_cache import BlockManager
 import models.shapes as shapes   # a module import: models.shapes itself imports nanokv.config
 from nanokv.loader import load_model, resolve_model_path
 from nanokv.runner import ModelRunner
-from nanokv.sampling import SamplingParams
+from nanokv.sampling import FAILED, SamplingParams
 from nanokv.scheduler import Scheduler
 from nanokv.eviction import KVMethod, make_method
 from nanokv.sequence import PromptLogprob, Sequence
@@ -40,9 +42,10 @@ class RequestOutput:
     new_text: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None   # "stop" (EOS, stop token or string), "length" or "abort"
+    finish_reason: str | None   # "stop" (EOS, stop token or string), "length", "abort" or "error"
     prompt_logprobs: list[PromptLogprob | None] | None = None   # with SamplingParams(prompt_logprobs=True)
     kept_positions: torch.Tensor | None = None   # [layers, kv_heads, n], with return_kept_positions, at the end
+    error: str | None = None    # with finish_reason "error": what went wrong with this request
 
 
 @dataclass
@@ -64,6 +67,9 @@ class LLM:
         self.config = EngineConfig(model=model, dtype=dtype, **options)
         cfg = self.config
         make_method(cfg.kv_method, cfg.kv_budget, cfg.evict_every, cfg.block_size)   # check the defaults now
+        if kernels.BACKEND == "triton" and cfg.block_size < 16:
+            raise ValueError(f"block_size must be >= 16 with the Triton kernels, got {cfg.block_size} "
+                             "(NANOKV_KERNELS=torch takes any power of two)")
         device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(self.config.dtype, device)
         if model is not None and model.startswith(shapes.RANDOM_PREFIX):   # timing: no files, no tokenizer
@@ -112,12 +118,9 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer (random weights): give prompts as token ids")
             ids = self.tokenizer.encode(prompt) if prompt else []
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, (list, tuple)):
+            check_token_ids("prompt", prompt, self.model_config.vocab_size)
             ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         else:
             raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
@@ -132,9 +135,12 @@ class LLM:
         return self._queue(prompt, self._prompt_ids(prompt), params)
 
     def _method(self, params: SamplingParams) -> KVMethod:
-        """The request's eviction method, its unset fields taken from the engine defaults."""
+        """The request's eviction method, its unset fields taken from the engine defaults.
+        Checks params again first: a dataclass can be changed after it was built."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        params.check()
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
         cfg = self.config
         name = params.kv_method or cfg.kv_method
         method = make_method(name, cfg.kv_budget if params.kv_budget is None else params.kv_budget,
@@ -178,9 +184,44 @@ class LLM:
                 raise RuntimeError("requests are waiting but none can be scheduled")
             return []
         sampled = self.runner.run(batch)
-        for seq, reason in self.scheduler.update(batch, sampled):
-            self._finish(seq, reason)
-        return [self._emit(self.requests[seq_id], token) for seq_id, token in sampled.items()]
+        failed = self._take_sampling_failures(sampled)
+        done = {seq.seq_id: reason for seq, reason in self.scheduler.update(batch, sampled)}
+        outputs = [self._fail(self.requests[seq_id], error) for seq_id, error in failed.items()]
+        for seq_id, token in sampled.items():
+            request = self.requests[seq_id]
+            try:
+                if seq_id in done:
+                    self._finish(request.seq, done[seq_id])
+                outputs.append(self._emit(request, token))
+            except Exception as error:   # this request's own failure: it ends, the others go on
+                outputs.append(self._fail(request, error, token))
+        return outputs
+
+    def _take_sampling_failures(self, sampled: dict[int, int]) -> dict[int, Exception]:
+        """Take the sequences the sampler could not sample (token FAILED) out of sampled;
+        returns seq_id -> error. The sampler keeps the errors in row order, as sampled is."""
+        sampler = self.runner.sampler
+        if not sampler.errors:
+            return {}
+        failed_ids = [seq_id for seq_id, token in sampled.items() if token == FAILED]
+        failed = dict(zip(failed_ids, sampler.errors.values()))
+        for seq_id in failed_ids:
+            del sampled[seq_id]
+        sampler.errors = {}
+        return failed
+
+    def _fail(self, request: _Request, error: Exception, token: int | None = None) -> RequestOutput:
+        """End a request whose own processing raised (after it was accepted): it finishes
+        with finish_reason "error" and its blocks go back to the pool."""
+        seq = request.seq
+        self.scheduler.finish(seq, "error")   # a no-op if it had finished before the error
+        seq.finish_reason = "error"
+        self.requests.pop(seq.seq_id, None)
+        return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids,
+                             request.text[:request.streamed], list(seq.output_token_ids), "",
+                             [] if token is None else [token], True, "error",
+                             prompt_logprobs=seq.prompt_logprobs, kept_positions=seq.kept_positions,
+                             error=f"{type(error).__name__}: {error}")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.params.return_kept_positions:   # read before the blocks go back to the pool

@@ -5,7 +5,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanokv.checks import (SEED_RANGE, check_bool, check_choice, check_float, check_int,
+                           check_token_ids)
 from nanokv.eviction import METHODS
+
+FAILED = -1   # the token of a row that could not be sampled (its error is in Sampler.errors)
 
 
 @dataclass
@@ -26,20 +30,29 @@ class SamplingParams:
     prompt_logprobs: bool = False       # output: log-probability of every prompt token
 
     def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Raise a TypeError or ValueError naming the first bad field. Run at construction
+        and again when a request is queued (the fields may have been changed since)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if self.kv_method is not None and self.kv_method not in METHODS:
-            raise ValueError(f"unknown kv_method {self.kv_method!r}; use one of {', '.join(METHODS)}")
+        check_int("max_tokens", self.max_tokens, 1)
+        check_float("temperature", self.temperature, 0)
+        check_float("top_p", self.top_p, 0, 1, low_open=True)
+        check_int("top_k", self.top_k, 0)
+        check_int("seed", self.seed, *SEED_RANGE, optional=True)
+        check_bool("ignore_eos", self.ignore_eos)
+        check_token_ids("stop_token_ids", self.stop_token_ids)
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not all(self.stop):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+        check_choice("kv_method", self.kv_method, METHODS, optional=True)
+        check_int("kv_budget", self.kv_budget, 1, optional=True)
+        check_int("evict_every", self.evict_every, 1, optional=True)
+        check_bool("return_kept_positions", self.return_kept_positions)
+        check_bool("prompt_logprobs", self.prompt_logprobs)
 
 
 class Sampler:
@@ -49,13 +62,44 @@ class Sampler:
     race (argmax of p / E with E ~ Exp(1) draws from p); rows with a seed draw
     their E from their own generator, so their tokens do not depend on what
     else is in the batch.
+
+    A failure cannot be pinned on a row of the batched pass, so after one every
+    row is sampled again on its own: a row that fails alone gets the token
+    FAILED and its error in `errors`; greedy and seeded rows get the token the
+    batched pass would have given them (seeded streams are rewound first).
     """
 
     def __init__(self, device: torch.device, seed: int):
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.errors: dict[int, Exception] = {}   # row -> why it got FAILED, in row order
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
+        self.errors = {}
+        states = {}   # row -> its seeded stream before this call
+        try:
+            for row, gen in enumerate(generators):
+                if gen is not None:
+                    states[row] = gen.get_state()
+            return self._sample(logits, params, generators)
+        except Exception:
+            return self._sample_rows_alone(logits, params, generators, states)
+
+    def _sample_rows_alone(self, logits: torch.Tensor, params: list[SamplingParams],
+                           generators: list[torch.Generator | None], states: dict) -> torch.Tensor:
+        tokens = []
+        for row, (p, gen) in enumerate(zip(params, generators)):
+            try:
+                if row in states:   # rows without a state had drawn nothing yet
+                    gen.set_state(states[row])
+                tokens.append(int(self._sample(logits[row:row + 1], [p], [gen])[0]))
+            except Exception as error:
+                self.errors[row] = error
+                tokens.append(FAILED)
+        return torch.tensor(tokens, device=logits.device)
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
             return greedy

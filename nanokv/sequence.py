@@ -36,7 +36,7 @@ class Sequence:
     max_slots: int = 0                 # the most tokens it will ever feed (prompt + max_tokens - 1)
     num_computed_tokens: int = 0       # tokens run through the model (their positions are taken)
     num_kv_slots: int = 0              # KV pairs it holds per head; below num_computed_tokens once it evicts
-    finish_reason: str | None = None   # "length", "stop" or "abort"
+    finish_reason: str | None = None   # "length", "stop", "abort" or "error"
     generator: torch.Generator | None = None  # the request's own, when it has a seed
     prompt_logprobs: list[PromptLogprob | None] | None = None   # when asked for
     kept_positions: torch.Tensor | None = None                  # when asked for, at the end

@@ -25,7 +25,7 @@ def llm(tiny_dir):
     (dict(kv_method="batchmax", kv_budget=40, evict_every=16), "multiple of the block size 16, got 40"),
     (dict(kv_method="decode_only", kv_budget=48, evict_every=32), "at least 2 \\* evict_every = 64"),
     (dict(kv_method="ed", kv_budget=1), "kv_budget for ed must be >= 2, got 1"),
-    (dict(kv_method="batchmax", evict_every=0), "evict_every >= 1"),
+    (dict(kv_method="batchmax", evict_every=0), "evict_every must be None or an integer >= 1, got 0"),
     (dict(kv_method="full", return_kept_positions=True), "return_kept_positions needs an evicting kv_method"),
 ])
 def test_bad_eviction_settings_are_refused(llm, kwargs, message):

@@ -4,7 +4,7 @@ import torch
 
 from helpers import make_tiny_model
 from nanokv import LLM, SamplingParams
-from nanokv.sampling import Sampler
+from nanokv.sampling import FAILED, Sampler
 
 
 def sample_many(logits_row, params, n=4000, seed=0):
@@ -101,3 +101,25 @@ def test_abort_frees_the_request(llm):
     llm.step()
     llm.abort(rid)
     assert not llm.has_unfinished() and llm.blocks.num_free == llm.blocks.num_blocks
+
+
+class BrokenGenerator:
+    """Passes for a generator until it is drawn from."""
+    def get_state(self):
+        return None
+
+    def set_state(self, state):
+        pass
+
+
+def test_a_row_that_fails_gets_FAILED_and_the_others_their_own_tokens():
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=0), SamplingParams(seed=7), SamplingParams(), SamplingParams(seed=7)]
+    alone = Sampler(torch.device("cpu"), 0)(logits[:2], params[:2], [None, torch.Generator().manual_seed(7)])
+    sampler = Sampler(torch.device("cpu"), 0)
+    # Row 1 draws from its stream before row 3 fails: it is rewound before being sampled again.
+    out = sampler(logits, params, [None, torch.Generator().manual_seed(7), None, BrokenGenerator()])
+    assert out[:2].tolist() == alone.tolist() and out[3] == FAILED
+    assert list(sampler.errors) == [3] and isinstance(sampler.errors[3], TypeError)
+    assert sampler(logits[:2], params[:2], [None, torch.Generator().manual_seed(7)]).tolist() == alone.tolist()
+    assert sampler.errors == {}
