@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels
-from helpers import VOCAB, make_tiny_model
+from helpers import KERNEL_DEVICE, VOCAB, make_tiny_model
 from nanokv import LLM, SamplingParams
 
 
@@ -25,7 +25,7 @@ def mixed_prompts(n: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (k,), generator=gen).tolist() for k in lengths]
 
 
-def generate_both(path, backend, prompts, device="cpu", dtype="float32", **options):
+def generate_both(path, backend, prompts, device=KERNEL_DEVICE, dtype="float32", **options):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}
     for name in ("torch", "triton"):
