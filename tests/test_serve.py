@@ -257,3 +257,14 @@ def test_the_command_line_serves_and_stops_on_sigterm(model_dir):
     finally:
         server.kill()
     assert "engine stopped" in output and "Application shutdown complete" in output, output
+
+
+def test_serve_bench_drives_the_server_and_measures_it(server):
+    from nanokv import serve_bench
+
+    requests = serve_bench.scaled_requests(8, scale=0.05, vocab=300, seed=0)
+    assert all(len(p) + n <= ENGINE["max_model_len"] for p, n in requests)
+    result = asyncio.run(serve_bench.run(server[0], clients=4, requests=requests))
+    assert result["requests"] == 8 and result["output_tokens"] == sum(n for _, n in requests)
+    assert result["ttft_s_p50"] > 0 and result["itl_s_p99"] >= result["itl_s_p50"] > 0
+    assert "requests/s" in serve_bench.report(result)
