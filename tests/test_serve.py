@@ -58,6 +58,13 @@ def wait_until_idle(base: str, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
+@pytest.fixture(autouse=True)
+def loopback_without_proxy(monkeypatch):
+    """A proxy set in the environment must not see these loopback requests."""
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(name, "127.0.0.1,localhost")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("serve") / MODEL
@@ -199,9 +206,23 @@ def test_a_bad_request_gets_its_error_and_changes_nothing(server, endpoint, body
     assert health["running"] == health["waiting"] == 0 and health["free_blocks"] == health["total_blocks"]
 
 
-def test_the_server_keeps_serving_after_bad_requests(client):
-    with pytest.raises(openai.BadRequestError, match="top_p"):
-        client.completions.create(model=MODEL, prompt="hi", top_p=7)
+def test_bad_requests_do_not_disturb_one_in_flight(server, client, reference):
+    base, _ = server
+    prompt = "A request that runs while others fail:"
+    expected = reference.generate(prompt, greedy(40))[0].text
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as running:
+        lines = running.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        for endpoint, bad, status, _ in BAD_REQUESTS:
+            content = bad if isinstance(bad, str) else json.dumps(bad)
+            assert httpx.post(f"{base}/v1/{endpoint}", content=content, timeout=30).status_code == status
+        with pytest.raises(openai.BadRequestError, match="top_p"):
+            client.completions.create(model=MODEL, prompt="hi", top_p=7)
+        events = [first, *(line for line in lines if line.startswith("data:"))]
+    assert events[-1] == "data: [DONE]"
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == expected
     with pytest.raises(openai.NotFoundError):
         client.get("/no/such/route", cast_to=object)
     out = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0,
@@ -226,11 +247,11 @@ def test_a_failed_step_ends_its_requests_with_an_error_and_the_engine_goes_on(se
 def test_a_wrong_api_key_gets_401(model_dir):
     with running_server(LLM(str(model_dir), **ENGINE), api_key=KEY) as (base, _):
         with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0, timeout=30).models.list()
         missing = httpx.post(f"{base}/v1/completions", json={"prompt": "hi"})
         assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
         assert httpx.get(f"{base}/health").status_code == 200   # open to health checks
-        good = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+        good = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=30)
         assert good.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
 
 
