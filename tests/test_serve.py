@@ -1,0 +1,291 @@
+"""The OpenAI-compatible server, driven by the official openai client over loopback."""
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from nanokv import LLM, SamplingParams
+from nanokv.serve import build_app
+
+from helpers import make_tiny_model
+
+ENGINE = dict(dtype="float32", num_kv_blocks=160, max_model_len=256)
+MODEL = "tiny"
+KEY = "sk-test"
+PROMPTS = [f"Request {i}: the story of {'ab' * (i % 5)} goes" for i in range(32)]
+
+
+@contextlib.contextmanager
+def running_server(llm: LLM, api_key: str | None = None):
+    """A real uvicorn server on a free loopback port, in a thread; yields (base URL, app)."""
+    app = build_app(llm, MODEL, api_key)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "the server did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        assert not thread.is_alive() and not app.state.engine._thread.is_alive()
+
+
+def wait_until_idle(base: str, timeout: float = 10.0) -> dict:
+    """/health once nothing runs or waits (bounded in time); the caller checks the blocks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = httpx.get(f"{base}/health").json()
+        if (health["running"] == health["waiting"] == 0) or time.monotonic() > deadline:
+            return health
+        time.sleep(0.05)
+
+
+@pytest.fixture(autouse=True)
+def loopback_without_proxy(monkeypatch):
+    """A proxy set in the environment must not see these loopback requests."""
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(name, "127.0.0.1,localhost")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve") / MODEL
+    make_tiny_model(path, "llama")
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """The same model in-process, for the outputs the server must match."""
+    return LLM(str(model_dir), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with running_server(LLM(str(model_dir), **ENGINE)) as (base, app):
+        yield base, app
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_completions_and_chat_match_generate(client, reference):
+    prompt = "The capital of France is"
+    expected = reference.generate(prompt, greedy(12))[0]
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].text == expected.text and whole.choices[0].finish_reason == "length"
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(expected.prompt_token_ids), 12)
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == 12
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    text = reference.tokenizer.apply_chat_template(messages)   # as chat.py builds a prompt
+    expected = reference.generate([reference.tokenizer.encode(text, add_special_tokens=False)], greedy(10))[0]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == expected.text and reply.choices[0].message.role == "assistant"
+    assert reply.usage.prompt_tokens == len(expected.prompt_token_ids)
+    deltas = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == expected.text
+    assert deltas[-1].choices[0].finish_reason == "length"
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_32_concurrent_streams_share_steps_and_match_solo_outputs(server, reference):
+    base, app = server
+    solo = [reference.generate(p, greedy(16))[0].text for p in PROMPTS]
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def all_of_them() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                                      timeout=60) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, p) for p in PROMPTS)), 120)
+
+    assert asyncio.run(all_of_them()) == solo
+    health = wait_until_idle(base)
+    assert health["largest_batch"] > 1, health
+    assert health["free_blocks"] == health["total_blocks"], health
+
+
+def test_a_client_that_disconnects_frees_its_request(server, monkeypatch):
+    base, app = server
+    engine, steps = app.state.engine, app.state.engine.num_steps
+    step = engine.llm.step
+
+    def slow_step():   # 230 tokens take 4.6 s: far longer than the clients wait
+        time.sleep(0.02)
+        return step()
+    monkeypatch.setattr(engine.llm, "step", slow_step)
+    body = {"model": MODEL, "prompt": "Tell me everything.", "max_tokens": 230, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))   # it is generating
+    with pytest.raises(httpx.ReadTimeout):   # a non-streaming client that gives up
+        httpx.post(f"{base}/v1/completions", json=body, timeout=0.3)
+    health = wait_until_idle(base)
+    assert health["free_blocks"] == health["total_blocks"], health
+    assert health["steps"] - steps < 100, "the requests ran to the end instead of being aborted"
+
+
+BAD_REQUESTS = [   # (endpoint, body, status, param)
+    ("completions", "{not json", 400, None),
+    ("completions", [1, 2], 400, None),
+    ("completions", {"prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ("completions", {"prompt": "hi", "kv_no_such_field": 1}, 400, "kv_no_such_field"),
+    ("completions", {"prompt": "hi", "return_kept_positions": True}, 400, "return_kept_positions"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": "x" * 300}, 400, "prompt"),
+    ("completions", {"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ("completions", {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": "hi", "top_k": "many"}, 400, "top_k"),
+    ("completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ("completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": "hi", "kv_method": "magic"}, 400, "kv_method"),
+    ("completions", {"prompt": "hi", "kv_method": "batchmax", "kv_budget": 3}, 400, "kv_budget"),
+    ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400,
+     "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, status, param", BAD_REQUESTS)
+def test_a_bad_request_gets_its_error_and_changes_nothing(server, endpoint, body, status, param):
+    base, _ = server
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{base}/v1/{endpoint}", content=content, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"] == "invalid_request_error"
+    health = httpx.get(f"{base}/health").json()
+    assert health["running"] == health["waiting"] == 0 and health["free_blocks"] == health["total_blocks"]
+
+
+def test_bad_requests_do_not_disturb_one_in_flight(server, client, reference):
+    base, _ = server
+    prompt = "A request that runs while others fail:"
+    expected = reference.generate(prompt, greedy(40))[0].text
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as running:
+        lines = running.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        for endpoint, bad, status, _ in BAD_REQUESTS:
+            content = bad if isinstance(bad, str) else json.dumps(bad)
+            assert httpx.post(f"{base}/v1/{endpoint}", content=content, timeout=30).status_code == status
+        with pytest.raises(openai.BadRequestError, match="top_p"):
+            client.completions.create(model=MODEL, prompt="hi", top_p=7)
+        events = [first, *(line for line in lines if line.startswith("data:"))]
+    assert events[-1] == "data: [DONE]"
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == expected
+    with pytest.raises(openai.NotFoundError):
+        client.get("/no/such/route", cast_to=object)
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0,
+                                    extra_body={"kv_method": "full", "top_k": 5, "ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+
+
+def test_a_failed_step_ends_its_requests_with_an_error_and_the_engine_goes_on(server, client, monkeypatch):
+    engine = server[1].state.engine
+    step = engine.llm.step
+
+    def broken_step():
+        monkeypatch.setattr(engine.llm, "step", step)   # fails once
+        raise RuntimeError("simulated failure")
+    monkeypatch.setattr(engine.llm, "step", broken_step)
+    with pytest.raises(openai.APIStatusError, match="simulated failure") as failure:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+    assert failure.value.status_code == 503
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).choices[0].finish_reason
+
+
+def test_a_wrong_api_key_gets_401(model_dir):
+    with running_server(LLM(str(model_dir), **ENGINE), api_key=KEY) as (base, _):
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0, timeout=30).models.list()
+        missing = httpx.post(f"{base}/v1/completions", json={"prompt": "hi"})
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{base}/health").status_code == 200   # open to health checks
+        good = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=30)
+        assert good.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_the_command_line_serves_and_stops_on_sigterm(model_dir):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server = subprocess.Popen([sys.executable, "-m", "nanokv.serve", "--model", str(model_dir), "--port",
+                               str(port), "--num-kv-blocks", "32", "--max-model-len", "128"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=Path(__file__).resolve().parent.parent)
+    try:
+        deadline = time.monotonic() + 120
+        while server.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            time.sleep(0.2)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        assert models["data"][0]["id"] == str(model_dir) and models["data"][0]["max_model_len"] == 128
+        server.send_signal(signal.SIGTERM)
+        output = server.communicate(timeout=30)[0]
+    finally:
+        server.kill()
+    assert "engine stopped" in output and "Application shutdown complete" in output, output
+
+
+def test_serve_bench_drives_the_server_and_measures_it(server):
+    from nanokv import serve_bench
+
+    requests = serve_bench.scaled_requests(8, scale=0.05, vocab=300, seed=0)
+    assert all(len(p) + n <= ENGINE["max_model_len"] for p, n in requests)
+    result = asyncio.run(serve_bench.run(server[0], clients=4, requests=requests))
+    assert result["requests"] == 8 and result["output_tokens"] == sum(n for _, n in requests)
+    assert result["ttft_s_p50"] > 0 and result["itl_s_p99"] >= result["itl_s_p50"] > 0
+    assert "requests/s" in serve_bench.report(result)
