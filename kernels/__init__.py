@@ -2,8 +2,10 @@
 
 Every op has a torch reference (`*_ref`), which runs on any device and is the
 oracle its Triton kernel is tested against. One switch picks the backend for
-the whole process: NANOKV_KERNELS=torch|triton, by default Triton when CUDA
-is available and the references otherwise.
+the whole process: NANOKV_KERNELS=torch|triton|cpu, by default Triton when
+CUDA is available and "cpu" otherwise. "cpu" is the references where they
+are already fast, and kernels/*_cpu.py where a CPU wants another formulation
+(tested against the same references); "torch" is the references alone.
 """
 import os
 
@@ -11,6 +13,7 @@ import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention import paged_attention_ref
+from kernels.attention_cpu import paged_attention_cpu
 from kernels.attention_triton import paged_attention_triton
 from kernels.compact import compact_kv
 from kernels.decode_attention import paged_decode_attention_triton
@@ -21,10 +24,10 @@ from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
 
 
 def set_backend(name: str) -> None:
-    """Bind the public ops to the Triton kernels ("triton") or the references ("torch")."""
+    """Bind the public ops to the Triton kernels ("triton"), the CPU path ("cpu") or the references ("torch")."""
     global BACKEND, TRITON, silu_and_mul, store_kv, rms_norm, add_rms_norm, apply_rope
-    if name not in ("torch", "triton"):
-        raise ValueError(f"unknown kernel backend {name!r}; use 'torch' or 'triton'")
+    if name not in ("torch", "triton", "cpu"):
+        raise ValueError(f"unknown kernel backend {name!r}; use 'torch', 'triton' or 'cpu'")
     BACKEND, TRITON = name, name == "triton"
     silu_and_mul = silu_and_mul_triton if TRITON else silu_and_mul_ref
     store_kv = store_kv_triton if TRITON else store_kv_ref
@@ -33,7 +36,7 @@ def set_backend(name: str) -> None:
     apply_rope = apply_rope_triton if TRITON else apply_rope_ref
 
 
-set_backend(os.environ.get("NANOKV_KERNELS") or ("triton" if torch.cuda.is_available() else "torch"))
+set_backend(os.environ.get("NANOKV_KERNELS") or ("triton" if torch.cuda.is_available() else "cpu"))
 
 # Decode: split each context so that the GPU has at least this many programs to run.
 DECODE_MIN_PROGRAMS = 2 * (torch.cuda.get_device_properties(0).multi_processor_count
@@ -57,6 +60,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     max_query_len and max_context_len are host-side upper bounds, so that no kernel
     needs a device sync to size its grid; max_query_len == 1 selects flash-decoding.
     """
+    if BACKEND == "cpu":
+        return paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                                   score_cache=score_cache)
     want_lse = score_cache is not None
     if not TRITON:
         result = paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
