@@ -5,11 +5,12 @@
   index_select per tensor; the gather indices, the masks and the score slots
   depend only on the step's metadata, so they are built once per step (a
   `StepPlan`) and reused by every layer.
-- Without eviction scores the attention itself is torch's fused
-  scaled_dot_product_attention (flash attention on the CPU, GQA without
-  copies). A chunk that starts after earlier context is causal with an
-  offset, which SDPA's is_causal (aligned top-left) cannot express: it gets an
-  additive mask instead.
+- Without eviction scores the attention itself is torch's fused flash
+  attention for the CPU (GQA without copies). A prefill chunk that follows
+  earlier context is causal with an offset, which SDPA's is_causal (aligned
+  top-left) cannot express; rather than a masked pass over all n x L pairs, it
+  is two flash passes merged by their log-sum-exps: the earlier context (no
+  mask) and the chunk itself (plain causal).
 - With eviction scores (meta.accumulate_scores) the probabilities are needed
   anyway, so they are computed explicitly once and serve both the output and
   the scores: no log-sum-exp, no second pass over the keys.
@@ -30,8 +31,8 @@ class Chunk:
     rows: slice | torch.Tensor   # its query rows (decodes: the rows of all decode sequences)
     pool_rows: torch.Tensor      # [S, Hkv, L] int64: each slot's row in the pool (see _pool_rows)
     blocks: torch.Tensor         # [S, L] int64: each slot's block, for the scores
-    mask: torch.Tensor | None    # additive mask [S, 1, 1, L] (decodes) or [1, 1, n, L]; None: all visible
-    visible: torch.Tensor        # the same as bool [S, n, L], for the path that computes probabilities
+    mask: torch.Tensor | None    # decodes: additive [S, 1, 1, L] where contexts differ; None: all visible
+    visible: torch.Tensor | None   # bool [S, n, L], only for the path that computes probabilities
 
 
 @dataclass
@@ -52,7 +53,7 @@ def _pool_rows(block_tables: torch.Tensor, context_len: int, num_kv_heads: int, 
 
 
 def make_plan(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-              num_kv_heads: int, block_size: int, dtype: torch.dtype) -> StepPlan:
+              num_kv_heads: int, block_size: int, dtype: torch.dtype, scores: bool) -> StepPlan:
     """Split the step into its decode rows (one batch padded to the longest context) and its
     prefill chunks (one each, so that a long prompt never makes the decodes pad to its length)."""
     device = block_tables.device
@@ -77,12 +78,13 @@ def make_plan(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_le
         n, context_len = starts[b + 1] - starts[b], lens[b]
         if n == 1:
             continue
-        query_slot = context_len - n + torch.arange(n, device=device)
-        visible = torch.arange(context_len, device=device)[None, :] <= query_slot[:, None]   # [n, L]
-        mask = None if n == context_len else additive(visible[None, None])   # None: plain causal
+        visible = None
+        if scores:
+            query_slot = context_len - n + torch.arange(n, device=device)
+            visible = (torch.arange(context_len, device=device)[None, :] <= query_slot[:, None])[None]
         prefills.append(Chunk(slice(starts[b], starts[b + 1]),
                               *_pool_rows(block_tables[b:b + 1], context_len, num_kv_heads, block_size),
-                              mask, visible[None]))
+                              None, visible))
     return StepPlan(decodes, prefills)
 
 
@@ -114,6 +116,19 @@ def _add_scores(score_cache: torch.Tensor, blocks: torch.Tensor, probs_sum: torc
                            accumulate=True)
 
 
+def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [1, Hq, n, D], the last n of k/v [1, Hkv, L, D], causal -> [1, Hq, n, D]."""
+    prefix = k.shape[2] - q.shape[2]
+    if prefix == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu   # SDPA's own kernel, with its lse
+    seen_out, seen_lse = flash(q, k[:, :, :prefix], v[:, :, :prefix], scale=scale)
+    own_out, own_lse = flash(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, scale=scale)
+    lse = torch.logaddexp(seen_lse, own_lse)
+    seen_weight, own_weight = (seen_lse - lse).exp_()[..., None], (own_lse - lse).exp_()[..., None]
+    return (seen_out.float() * seen_weight + own_out.float() * own_weight).to(q.dtype)
+
+
 def _attend_with_scores(q, k, v, visible, scale):
     """q [S, Hkv, G, n, D], k/v [S, Hkv, L, D], visible [S or 1, n, L] -> out [S, Hkv, G, n, D]
     in q's dtype and the probabilities summed over G and n: [S, Hkv, L], all computed in fp32."""
@@ -131,7 +146,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     T, Hq, D = q.shape
     Hkv, bs = k_cache.shape[1:3]
     G = Hq // Hkv
-    plan = plan_for(block_tables, cu_seqlens_q, context_lens, Hkv, bs, q.dtype)
+    plan = plan_for(block_tables, cu_seqlens_q, context_lens, Hkv, bs, q.dtype, score_cache is not None)
     out = torch.empty_like(q) if plan.prefills else None
     if plan.decodes is not None:
         c = plan.decodes
@@ -150,9 +165,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k, v = _gather(k_cache, c.pool_rows), _gather(v_cache, c.pool_rows)
         q_p = q[c.rows].transpose(0, 1)[None]                                # [1, Hq, n, D]
         if score_cache is None:
-            o = F.scaled_dot_product_attention(q_p, k, v, attn_mask=c.mask, is_causal=c.mask is None,
-                                               scale=scale, enable_gqa=True)
-            out[c.rows] = o[0].transpose(0, 1)
+            out[c.rows] = _chunk_attention(q_p, k, v, scale)[0].transpose(0, 1)
             continue
         n, first = q_p.shape[2], c.rows.start
         q_g = q_p.view(1, Hkv, G, n, D)
