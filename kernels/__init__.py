@@ -21,6 +21,7 @@ from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
+from kernels.rope_cpu import apply_rope_cpu
 
 
 def set_backend(name: str) -> None:
@@ -33,7 +34,7 @@ def set_backend(name: str) -> None:
     store_kv = store_kv_triton if TRITON else store_kv_ref
     rms_norm = rms_norm_triton if TRITON else rms_norm_ref
     add_rms_norm = add_rms_norm_triton if TRITON else add_rms_norm_ref
-    apply_rope = apply_rope_triton if TRITON else apply_rope_ref
+    apply_rope = apply_rope_triton if TRITON else apply_rope_cpu if name == "cpu" else apply_rope_ref
 
 
 set_backend(os.environ.get("NANOKV_KERNELS") or ("triton" if torch.cuda.is_available() else "cpu"))
