@@ -92,18 +92,20 @@ _last_step: tuple = ()
 
 
 def plan_for(block_tables, cu_seqlens_q, context_lens, *shape) -> StepPlan:
-    """The plan of the step whose metadata tensors these are: built by the first layer,
-    reused by the others (the tensors are held, so their identity cannot be recycled)."""
+    """The step's plan: built by the first layer, reused by the others. Keyed by the metadata's
+    values, not by the tensors' identity: a caller may refill the same buffers in place
+    (CUDA-graph style), and equal metadata means an equal plan."""
     global _last_step
     tensors = (block_tables, cu_seqlens_q, context_lens)
-    if not _last_step or any(a is not b for a, b in zip(_last_step[0], tensors)) or _last_step[1] != shape:
-        _last_step = (tensors, shape, make_plan(*tensors, *shape))
+    if not (_last_step and _last_step[1] == shape and all(torch.equal(a, b) for a, b in zip(_last_step[0], tensors))):
+        _last_step = (tuple(t.clone() for t in tensors), shape, make_plan(*tensors, *shape))
     return _last_step[2]
 
 
 def _gather(cache: torch.Tensor, pool_rows: torch.Tensor) -> torch.Tensor:
     """[num_blocks, Hkv, bs, D] -> [S, Hkv, L, D], contiguous, in one copy."""
-    return cache.view(-1, cache.shape[-1]).index_select(0, pool_rows.view(-1)).view(*pool_rows.shape, -1)
+    D = cache.shape[-1]   # named, not -1: a padded step may gather nothing
+    return cache.view(-1, D).index_select(0, pool_rows.view(-1)).view(*pool_rows.shape, D)
 
 
 def _add_scores(score_cache: torch.Tensor, blocks: torch.Tensor, probs_sum: torch.Tensor) -> None:
