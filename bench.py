@@ -5,6 +5,7 @@
     python bench.py --mode workload      nano-vllm's workload (256 requests), with and without eviction
     python bench.py --mode sweep         methods x budgets x batches x input lengths, as JSON lines
     python bench.py --mode hf            nanokv against HF transformers `generate` on the CPU
+                                         (batch 8, and batch 1 at three prompt lengths: nanokv/bench_hf.py)
     python bench.py --mode gpu-report --report gpu.md
                                          all a GPU session measures, in one report (nanokv/gpu_report.py)
 
@@ -39,8 +40,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import importlib
-import inspect
 import itertools
 import json
 import random
@@ -55,6 +54,7 @@ from tqdm import tqdm
 
 from models.shapes import SHAPES
 from nanokv import LLM, SamplingParams
+from nanokv.bench_hf import bench_vs_hf
 from nanokv.kv_cache import KVCache
 from nanokv.runner import Timings
 
@@ -420,52 +420,6 @@ def plot(records: list[dict], path: str) -> None:
     fig.savefig(path, dpi=90)
 
 
-# ----- nanokv against HF transformers ----------------------------------------------------
-
-def stdlib_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    """n real, different prompts of exactly `length` tokens: the heads of stdlib modules."""
-    modules = ["json", "argparse", "pathlib", "dataclasses", "inspect", "typing", "functools",
-               "collections", "logging", "subprocess", "threading", "tempfile"]
-    prompts = []
-    for name in modules[:n]:
-        ids = tokenizer.encode(inspect.getsource(importlib.import_module(name)))
-        prompts.append(ids[:length])
-    return prompts
-
-
-def bench_vs_hf(args) -> None:
-    """nanokv against HF transformers `generate` on the CPU: same model, fp32, greedy."""
-    import transformers
-
-    from nanokv.loader import resolve_model_path
-
-    path = resolve_model_path(args.model)
-    llm = LLM(str(path), dtype="float32", device="cpu")
-    prompts = stdlib_prompts(llm.tokenizer, args.batch, args.input_len)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))   # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    ours = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    pad = llm.tokenizer.eos_token_id or 0
-    ids = torch.tensor(prompts)   # equal lengths: no padding needed
-    with torch.no_grad():
-        hf.generate(ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=pad)   # warm-up
-        start = time.perf_counter()
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.output_len,
-                          min_new_tokens=args.output_len, do_sample=False, pad_token_id=pad)
-        theirs = (out.shape[1] - ids.shape[1]) * len(prompts) / (time.perf_counter() - start)
-
-    print(f"model {path.name}, fp32, {torch.get_num_threads()} threads, batch {args.batch}, "
-          f"input {args.input_len}, output {args.output_len}, greedy")
-    print(f"{'engine':<14}{'output tokens/s':>16}")
-    print(f"{'nanokv':<14}{ours:>16.1f}")
-    print(f"{'transformers':<14}{theirs:>16.1f}")
-    print(f"ratio nanokv / transformers: {ours / theirs:.2f}")
-
-
 # ----- command line ----------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -496,7 +450,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enforce-eager", action="store_true", help="CUDA: no decode graphs")
     p.add_argument("--threads", type=int, help="CPU threads for torch")
-    p.add_argument("--batch", type=int, default=8, help="hf: batch size")
+    p.add_argument("--batch", type=int, default=8, help="hf: batch size (0: no batch table)")
+    p.add_argument("--chat-lens", type=int, nargs="*", default=[100, 1000, 4000],
+                   help="hf: prompt lengths of the batch-1 table (none: no table)")
+    p.add_argument("--chat-tokens", type=int, default=64, help="hf: new tokens per batch-1 request")
     p.add_argument("--out", help="append one JSON line per run here (sweep default: bench.jsonl)")
     p.add_argument("--plot", metavar="PNG", help="tokens/s and peak KV memory against batch size")
     p.add_argument("--report", default="gpu-report.md", help="gpu-report: where the markdown report goes")

@@ -2,8 +2,10 @@
 
 Every op has a torch reference (`*_ref`), which runs on any device and is the
 oracle its Triton kernel is tested against. One switch picks the backend for
-the whole process: NANOKV_KERNELS=torch|triton, by default Triton when CUDA
-is available and the references otherwise.
+the whole process: NANOKV_KERNELS=torch|triton|cpu, by default Triton when
+CUDA is available and "cpu" otherwise. "cpu" is the references where they
+are already fast, and kernels/*_cpu.py where a CPU wants another formulation
+(tested against the same references); "torch" is the references alone.
 """
 import os
 
@@ -11,6 +13,7 @@ import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention import paged_attention_ref
+from kernels.attention_cpu import paged_attention_cpu
 from kernels.attention_triton import paged_attention_triton
 from kernels.compact import compact_kv
 from kernels.decode_attention import (MIN_SPLIT, DecodeWorkspace, decode_workspace, logits_scratch,
@@ -19,22 +22,23 @@ from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
+from kernels.rope_cpu import apply_rope_cpu
 
 
 def set_backend(name: str) -> None:
-    """Bind the public ops to the Triton kernels ("triton") or the references ("torch")."""
+    """Bind the public ops to the Triton kernels ("triton"), the CPU path ("cpu") or the references ("torch")."""
     global BACKEND, TRITON, silu_and_mul, store_kv, rms_norm, add_rms_norm, apply_rope
-    if name not in ("torch", "triton"):
-        raise ValueError(f"unknown kernel backend {name!r}; use 'torch' or 'triton'")
+    if name not in ("torch", "triton", "cpu"):
+        raise ValueError(f"unknown kernel backend {name!r}; use 'torch', 'triton' or 'cpu'")
     BACKEND, TRITON = name, name == "triton"
     silu_and_mul = silu_and_mul_triton if TRITON else silu_and_mul_ref
     store_kv = store_kv_triton if TRITON else store_kv_ref
     rms_norm = rms_norm_triton if TRITON else rms_norm_ref
     add_rms_norm = add_rms_norm_triton if TRITON else add_rms_norm_ref
-    apply_rope = apply_rope_triton if TRITON else apply_rope_ref
+    apply_rope = apply_rope_triton if TRITON else apply_rope_cpu if name == "cpu" else apply_rope_ref
 
 
-set_backend(os.environ.get("NANOKV_KERNELS") or ("triton" if torch.cuda.is_available() else "torch"))
+set_backend(os.environ.get("NANOKV_KERNELS") or ("triton" if torch.cuda.is_available() else "cpu"))
 
 # Decode: enough (sequence, KV head, split) programs to fill the GPU several times over.
 # A program of the 16-bit decode kernel at head_dim 128 takes ~72 KB of shared memory for
@@ -84,6 +88,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     to the prefill kernel. logits and workspace: flash-decoding's scratch
     (kernels/decode_attention.py), allocated per call if None.
     """
+    if BACKEND == "cpu":
+        return paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                                   score_cache=score_cache)
     want_lse = score_cache is not None
     if not TRITON:
         result = paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,

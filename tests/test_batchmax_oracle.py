@@ -21,6 +21,7 @@ from unittest.mock import patch
 import pytest
 import torch
 
+import kernels
 from helpers import FAMILIES, make_tiny_model
 
 BLOCK = 16
@@ -226,6 +227,15 @@ def gqa(tmp_path_factory):
     return build("gqa", tmp_path_factory.mktemp("gqa"))
 
 
+@pytest.fixture(params=["cpu", "torch"])
+def backend(request):
+    """Engine tests that run on both CPU kernel backends: the CPU path and the references."""
+    before = kernels.BACKEND
+    kernels.set_backend(request.param)
+    yield request.param
+    kernels.set_backend(before)
+
+
 def prompt(length: int, seed: int) -> list[int]:
     """Random byte tokens: a random model has no favourite text."""
     g = torch.Generator().manual_seed(seed)
@@ -340,14 +350,14 @@ BATCHMAX_CASES = ([("batchmax", 32, 16, s, 30) for s in (5, 31, 32, 33, 47, 48, 
                   + [("batchmax", 48, 16, s, 30) for s in (47, 65, 90)])
 
 
-def test_batchmax_keeps_what_the_oracle_keeps(model):
+def test_batchmax_keeps_what_the_oracle_keeps(model, backend):
     """Algorithm 1 with the average-attention rule: per (layer, KV head) kept positions
     and the greedy tokens equal the oracle's, for MHA and GQA."""
     path, _, oracle = model
     run_against_oracle(engine(path), oracle, BATCHMAX_CASES)
 
 
-def test_a_batch_of_methods_and_budgets_each_matches_its_oracle(gqa):
+def test_a_batch_of_methods_and_budgets_each_matches_its_oracle(gqa, backend):
     path, _, oracle = gqa
     run_against_oracle(engine(path), oracle, [
         ("batchmax", 32, 16, 70, 30), ("batchmax", 48, 16, 90, 30), ("full", None, None, 40, 30),
@@ -381,7 +391,7 @@ def test_ed_keeps_what_algorithm_2_says(gqa):
     run_against_oracle(llm, oracle, [("ed", 5, None, s, 25) for s in (3, 7, 30)])
 
 
-def test_the_cache_never_holds_more_than_the_budget(gqa):
+def test_the_cache_never_holds_more_than_the_budget(gqa, backend):
     """Step by step, with prefills chunked by a small token budget: every running batchmax
     sequence holds at most |kv| pairs per head in at most ceil(|kv| / block) blocks, the
     pool accounts for every block, and all of them are free at the end."""

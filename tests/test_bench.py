@@ -148,3 +148,13 @@ def test_decode_bytes_counts_weights_and_kv(tiny):
     assert bench.decode_bytes(llm, {"mean_decode_batch": None, "mean_decode_context": None}) == weights
     kv = 2 * 2 * 2 * 16 * 4   # K and V, layers, KV heads, head_dim, fp32
     assert bench.decode_bytes(llm, {"mean_decode_batch": 3, "mean_decode_context": 10}) == weights + 30 * kv
+
+
+def test_hf_mode_prints_both_tables(tiny, capsys):
+    """nanokv against HF generate on a tiny model: the batch table and the batch-1 table."""
+    bench.main(["--mode", "hf", "--model", str(tiny), "--batch", "2", "--input-len", "16", "--output-len", "4",
+                "--chat-lens", "20", "60", "--chat-tokens", "3"])
+    out = capsys.readouterr().out
+    assert "ratio nanokv / transformers" in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["20"], ["60"])]
+    assert len(rows) == 2 and all(len(r) == 6 and all(float(x) >= 0 for x in r) for r in rows)

@@ -67,7 +67,8 @@ def test_prompt_logprobs_under_a_large_budget_equal_full(llm):
 
 
 def test_evicting_engine_on_triton_kernels_matches_references(tiny_dir):
-    """Prefill key scores, decode scores, compaction: the interpreted Triton path keeps the same pairs."""
+    """Prefill key scores, decode scores, compaction: the interpreted Triton path and the CPU
+    backend keep the same pairs as the references."""
     prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (20, 70, 100)]
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=m, kv_budget=b,
                              evict_every=16, return_kept_positions=True)
@@ -75,15 +76,16 @@ def test_evicting_engine_on_triton_kernels_matches_references(tiny_dir):
     results = {}
     before = kernels.BACKEND
     try:
-        for backend in ("torch", "triton"):
+        for backend in ("torch", "triton", "cpu"):
             kernels.set_backend(backend)
             engine = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
             results[backend] = engine.generate(prompts, params)
     finally:
         kernels.set_backend(before)
-    for ref, tri in zip(results["torch"], results["triton"]):
-        assert tri.token_ids == ref.token_ids
-        assert torch.equal(tri.kept_positions, ref.kept_positions)
+    for backend in ("triton", "cpu"):
+        for ref, out in zip(results["torch"], results[backend]):
+            assert out.token_ids == ref.token_ids, backend
+            assert torch.equal(out.kept_positions, ref.kept_positions), backend
 
 
 def test_plot_of_kept_positions_is_written(llm, tmp_path):

@@ -17,6 +17,7 @@ from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
+from kernels.rope_cpu import apply_rope_cpu
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (rtol, atol): a one-ulp disagreement in rounding must pass, anything more must not.
@@ -86,14 +87,14 @@ def check_add_rms_norm(shape, dtype, device):
     assert_close(out, rms_norm_ref(new_res, weight, 1e-5))
 
 
-def check_rope(T, Hq, Hkv, D, dtype, device):
+def check_rope(T, Hq, Hkv, D, dtype, device, apply_rope=apply_rope_triton):
     cos_sin = rope_cos_sin_cache(D, 4096, 1e5, None).to(device)
     positions = torch.randint(0, 4096, (T,), device=device)  # unsorted, with repeats possible
     qkv, q, k, _ = fused_qkv(T, Hq, Hkv, D, dtype, device)
     expected = qkv.clone()
     q_ref, k_ref, _ = split_heads(expected, Hq, Hkv, D)
     apply_rope_ref(q_ref, k_ref, positions, cos_sin)
-    apply_rope_triton(q, k, positions, cos_sin)
+    apply_rope(q, k, positions, cos_sin)
     assert_close(qkv, expected)  # the whole buffer: v and everything else untouched
 
 
@@ -139,6 +140,13 @@ def test_add_rms_norm(shape, dtype):
 @pytest.mark.parametrize("case", ROPE_CASES)
 def test_rope(case, dtype):
     check_rope(*case, dtype, KERNEL_DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ROPE_CASES)
+def test_rope_cpu_backend(case, dtype):
+    """The CPU backend's in-place rotation (float32; other dtypes are the reference itself)."""
+    check_rope(*case, dtype, "cpu", apply_rope=apply_rope_cpu)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,60 @@
+"""The CPU backend's paged attention against the references: output, and the key
+scores it adds to the cache (kernels/attention.py, kernels/key_scores.py)."""
+import pytest
+import torch
+
+from kernels.attention import paged_attention_ref
+from kernels.attention_cpu import paged_attention_cpu
+from kernels.key_scores import accumulate_key_scores_ref
+from test_attention_triton import make_cache, mixed_chunks, scattered_tables, varlen_batch
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def run_both(chunks, dtype, G, head_dim=64, block_size=16, num_kv_heads=2, scores=True):
+    torch.manual_seed(0)
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, num_kv_heads * G, head_dim, dtype, "cpu")
+    width = max(-(-int(n) // block_size) for n in context_lens) + 2
+    num_blocks = len(chunks) * width
+    k_cache, v_cache = make_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype, "cpu")
+    tables = scattered_tables(context_lens.tolist(), block_size, num_blocks, width)
+    scale = head_dim ** -0.5
+    initial = torch.rand(num_blocks, num_kv_heads, block_size)
+    ref_scores, cpu_scores = initial.clone(), initial.clone()
+    ref, lse = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale, return_lse=True)
+    accumulate_key_scores_ref(q, k_cache, ref_scores, tables, cu_seqlens_q, context_lens, lse, scale)
+    out = paged_attention_cpu(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
+                              score_cache=cpu_scores if scores else None)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    if scores:
+        torch.testing.assert_close(cpu_scores, ref_scores, atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.equal(cpu_scores, initial)
+
+
+@pytest.mark.parametrize("scores", [False, True])
+@pytest.mark.parametrize("dtype,G,block_size", [(torch.float32, 1, 16), (torch.float32, 3, 16),
+                                                (torch.float32, 4, 32), (torch.bfloat16, 3, 16)])
+def test_mixed_batch(dtype, G, block_size, scores):
+    """Fresh and chunked prefills around decode rows of ragged lengths."""
+    run_both(mixed_chunks(block_size), dtype, G, block_size=block_size, scores=scores)
+
+
+@pytest.mark.parametrize("scores", [False, True])
+@pytest.mark.parametrize("lengths", [[40, 40, 40], [1, 15, 16, 17, 70]])
+def test_decode_step(lengths, scores):
+    """A pure decode step, contexts equal (no mask) and ragged."""
+    run_both([(n - 1, 1) for n in lengths], torch.float32, 3, scores=scores)
+
+
+@pytest.mark.parametrize("scores", [False, True])
+def test_long_chunk_after_context(scores):
+    """A chunk longer than a score tile, after earlier context: the offset causal mask."""
+    run_both([(300, 600)], torch.float32, 3, scores=scores)
+
+
+def test_a_new_step_gets_a_new_plan():
+    """The per-step plan is rebuilt when the metadata tensors change."""
+    run_both([(20, 5), (9, 1)], torch.float32, 3)
+    run_both([(3, 1), (50, 7)], torch.float32, 3)
