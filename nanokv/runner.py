@@ -15,6 +15,7 @@ import kernels
 from models import Decoder
 from nanokv.config import EngineConfig, ModelConfig
 from nanokv.cuda_graphs import DecodeGraphs
+from nanokv.eviction.rankings import HeldPairs
 from nanokv.kv_cache import KVCache
 from nanokv.sampling import Sampler
 from nanokv.scheduler import Eviction, ScheduledBatch
@@ -221,14 +222,16 @@ class ModelRunner:
         positions = self.read_slots(self.kv_cache.positions, table, num_slots)
         if num_evicted == 0:
             return torch.arange(num_slots, device=self.device).expand(positions.shape)
-        scores = self.read_slots(self.kv_cache.scores, table, num_slots)
-        priority = seq.method.keep_priority(scores, positions, seq.num_computed_tokens - 1)
+        held = HeldPairs(positions, self.read_slots(self.kv_cache.scores, table, num_slots),
+                         current=seq.num_computed_tokens - 1,
+                         keys=lambda: self.read_slots(self.kv_cache.k, table, num_slots))
+        priority = seq.method.keep_priority(held)
         return priority.argsort(dim=-1, stable=True)[..., num_evicted:].sort(dim=-1).values
 
     def read_slots(self, per_slot: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-        """The first n slots of one sequence from a per-slot buffer [L, blocks, H, bs] -> [L, H, n]."""
-        pages = per_slot[:, table[:-(-n // self.block_size)]]       # [L, nb, H, bs]
-        return pages.transpose(1, 2).flatten(2)[:, :, :n]
+        """The first n slots of one sequence from a per-slot buffer [L, blocks, H, bs, ...] -> [L, H, n, ...]."""
+        pages = per_slot[:, table[:-(-n // self.block_size)]]       # [L, nb, H, bs, ...]
+        return pages.transpose(1, 2).flatten(2, 3)[:, :, :n]
 
     def kept_positions(self, seq: Sequence) -> torch.Tensor:
         """The original positions of the pairs seq holds at the end, per layer and KV head:
