@@ -116,6 +116,8 @@ class EngineConfig:
     evict_every: int = 64               # p: pairs evicted at a time
     kv_sinks: int | None = None         # first positions never evicted; None: the ranking's default
     kv_recent: int | None = None        # most recent pairs never evicted; None: the ranking's default
+    kv_window: int | None = None        # snapkv's observation window; None: 32
+    kv_pool: int | None = None          # snapkv's odd max-pooling kernel; None: 7
 
     def __post_init__(self):
         check_type("model", self.model, (str,), "a model directory or hub id (str)", optional=True)
@@ -141,6 +143,8 @@ class EngineConfig:
         check_int("evict_every", self.evict_every, 1)
         check_int("kv_sinks", self.kv_sinks, 0, optional=True)
         check_int("kv_recent", self.kv_recent, 0, optional=True)
+        check_int("kv_window", self.kv_window, 1, optional=True)
+        check_int("kv_pool", self.kv_pool, 1, optional=True)
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:

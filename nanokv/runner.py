@@ -137,6 +137,7 @@ class ModelRunner:
             if start + n == seq.num_tokens:   # the chunk reaches the end: sample the next token
                 step.sample_rows.append(cu_seqlens[-1] - 1)
                 step.sampled_seqs.append(seq)
+        score_from = [seq.method.score_from(seq) for seq, _ in order]
         width = max(len(seq.block_table) for seq in batch.seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in order]
 
@@ -149,7 +150,7 @@ class ModelRunner:
             max_query_len=max(batch.num_new_tokens), max_context_len=max(context_lens),
             num_decodes=batch.num_new_tokens.count(1),
             accumulate_scores=any(seq.method.needs_scores for seq in batch.seqs),
-            decode_workspace=self.decode_workspace)
+            score_from=tensor(score_from, torch.int32), decode_workspace=self.decode_workspace)
         return step
 
     @torch.inference_mode()
@@ -215,6 +216,8 @@ class ModelRunner:
         keep = self._survivors(seq, table, eviction.num_slots, eviction.num_evicted)
         kernels.compact_kv(self.kv_cache.k, self.kv_cache.v, self.kv_cache.positions, self.kv_cache.scores,
                            table, keep)
+        if seq.method.windowed:   # its scores restart: the next window counts from zero
+            self.kv_cache.scores[:, table] = 0.0
 
     def _survivors(self, seq: Sequence, table: torch.Tensor, num_slots: int, num_evicted: int) -> torch.Tensor:
         """[L, H, num_slots - num_evicted] ascending slot indices each head keeps, by its method's

@@ -29,6 +29,8 @@ class SamplingParams:
     evict_every: int | None = None      # p: pairs evicted at a time (prefill, decode schedules)
     kv_sinks: int | None = None         # first positions never evicted (None: the ranking's default)
     kv_recent: int | None = None        # most recent pairs never evicted (None: the ranking's default)
+    kv_window: int | None = None        # snapkv: queries in its observation window (None: 32)
+    kv_pool: int | None = None          # snapkv: odd max-pooling kernel over neighbouring slots (None: 7)
     return_kept_positions: bool = False  # output: positions each (layer, KV head) kept at the end
     prompt_logprobs: bool = False       # output: log-probability of every prompt token
 
@@ -57,6 +59,8 @@ class SamplingParams:
         check_int("evict_every", self.evict_every, 1, optional=True)
         check_int("kv_sinks", self.kv_sinks, 0, optional=True)
         check_int("kv_recent", self.kv_recent, 0, optional=True)
+        check_int("kv_window", self.kv_window, 1, optional=True)
+        check_int("kv_pool", self.kv_pool, 1, optional=True)
         check_bool("return_kept_positions", self.return_kept_positions)
         check_bool("prompt_logprobs", self.prompt_logprobs)
 

@@ -41,6 +41,12 @@ def llm(tiny_dir):
     (dict(kv_method="streamingllm", kv_schedule="once", kv_budget=3),
      "kv_sinks \\+ kv_recent = 4 \\+ 0 leaves streamingllm nothing to evict"),
     (dict(kv_method="h2o", kv_schedule="prefill", kv_budget=40), "multiple of the block size 16, got 40"),
+    (dict(kv_method="snapkv", kv_budget=32, kv_window=40), "kv_window must be an integer in \\[1, kv_budget = 32\\], got 40"),
+    (dict(kv_method="snapkv", kv_pool=4), "kv_pool must be an odd integer >= 1 \\(a centred kernel\\), got 4"),
+    (dict(kv_pool=0), "kv_pool must be None or an integer >= 1, got 0"),
+    (dict(kv_method="h2o", kv_window=8), "kv_window is a setting of snapkv only; it must be None for h2o, got 8"),
+    (dict(kv_method="snapkv", kv_budget=32, kv_window=20, kv_schedule="prefill"),
+     "kv_sinks \\+ kv_recent = 0 \\+ 20 leaves snapkv nothing to evict under the prefill schedule"),
     (dict(kv_schedule="sometimes"), "unknown kv_schedule 'sometimes'; use one of prefill, decode, once or None"),
     (dict(kv_sinks=-1), "kv_sinks must be None or an integer >= 0, got -1"),
 ])
@@ -53,7 +59,7 @@ def test_bad_eviction_settings_are_refused(llm, kwargs, message):
 
 
 def test_unknown_method_name(tiny_dir):
-    message = "unknown kv_method 'bogus'; use one of full, batchmax, h2o, streamingllm, knorm, decode_only, ed"
+    message = "unknown kv_method 'bogus'; use one of full, batchmax, h2o, tova, snapkv, streamingllm, knorm, decode_only, ed"
     with pytest.raises(ValueError, match=message):
         SamplingParams(kv_method="bogus")
     with pytest.raises(ValueError, match=message):   # a bad engine default fails at construction
@@ -84,12 +90,13 @@ def test_prompt_logprobs_under_a_large_budget_equal_full(llm):
 
 def test_evicting_engine_on_triton_kernels_matches_references(tiny_dir):
     """Prefill key scores, decode scores, compaction: the interpreted Triton path keeps the same pairs."""
-    methods = (("batchmax", None, 32), ("decode_only", None, 48), ("ed", None, 5),
-               ("h2o", "prefill", 32), ("knorm", "decode", 32), ("streamingllm", "once", 32))
-    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (20, 70, 100, 60, 50, 40)]
+    methods = (("batchmax", None, 32, {}), ("decode_only", None, 48, {}), ("ed", None, 5, {}),
+               ("h2o", "prefill", 32, {}), ("knorm", "decode", 32, {}), ("streamingllm", "once", 32, {}),
+               ("tova", "prefill", 32, {}), ("snapkv", "decode", 32, dict(kv_window=8, kv_pool=3)))
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (20, 70, 100, 60, 50, 40, 55, 45)]
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=m, kv_schedule=schedule,
-                             kv_budget=b, evict_every=16, return_kept_positions=True)
-              for m, schedule, b in methods]
+                             kv_budget=b, evict_every=16, return_kept_positions=True, **extra)
+              for m, schedule, b, extra in methods]
     results = {}
     before = kernels.BACKEND
     try:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanokv.eviction.rankings import RANKINGS, AverageAttention, HeldPairs, Ranking, Recency
+from nanokv.eviction.rankings import RANKINGS, AverageAttention, HeldPairs, ObservationWindow, Ranking, Recency
 from nanokv.eviction.schedules import SCHEDULES, ExtremeDecoding, Schedule
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 # decode_only: Batch-Max's ranking under the decode schedule, by its old name.
 METHODS = ("full", *RANKINGS, "decode_only", "ed")
 SCHEDULE_NAMES = tuple(SCHEDULES)
+NO_QUERY = 2**31 - 1   # score_from of a chunk none of whose queries counts
 
 
 class KVMethod:
@@ -46,6 +47,21 @@ class KVMethod:
     def steady_slots(self, seq: Sequence) -> int:
         return self.schedule.steady_slots(seq)
 
+    @property
+    def windowed(self) -> bool:
+        """Its scores count a window of queries and restart after each eviction."""
+        return self.ranking is not None and self.ranking.window is not None
+
+    def score_from(self, seq: Sequence) -> int:
+        """The first query of seq's next chunk (an index into it) whose attention counts:
+        a windowed ranking counts the last `window` queries before the next eviction."""
+        if not self.windowed:
+            return 0
+        end = self.schedule.next_eviction(seq)
+        if end is None:
+            return NO_QUERY
+        return max(end - self.ranking.window - seq.num_computed_tokens, 0)
+
     def keep_priority(self, held: HeldPairs) -> torch.Tensor:
         """[L, H, n] priorities, the lowest evicted first; protected pairs get +inf."""
         if self.ranking is None:
@@ -57,14 +73,29 @@ class KVMethod:
         return priority.masked_fill(protected, float("inf"))
 
 
+def _snapkv(budget: int, window: int | None, pool: int | None) -> ObservationWindow:
+    window = 32 if window is None else window
+    pool = 7 if pool is None else pool
+    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= budget:
+        raise ValueError(f"kv_window must be an integer in [1, kv_budget = {budget}], got {window!r}")
+    if not isinstance(pool, int) or isinstance(pool, bool) or pool < 1 or pool % 2 == 0:
+        raise ValueError(f"kv_pool must be an odd integer >= 1 (a centred kernel), got {pool!r}")
+    return ObservationWindow(window, pool)
+
+
 def make_method(name: str, schedule: str | None, budget: int, evict_every: int, block_size: int, *,
-                sinks: int | None = None, recent: int | None = None) -> KVMethod:
+                sinks: int | None = None, recent: int | None = None, window: int | None = None,
+                pool: int | None = None) -> KVMethod:
     """The method for a request, or a ValueError naming what is wrong with its settings.
-    None for schedule, sinks or recent takes the ranking's default."""
+    None for schedule, sinks, recent, window or pool takes the ranking's default."""
     if name not in METHODS:
         raise ValueError(f"unknown kv_method {name!r}; use one of {', '.join(METHODS)}")
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"unknown kv_schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if name != "snapkv":
+        for field, value in (("kv_window", window), ("kv_pool", pool)):
+            if value is not None:
+                raise ValueError(f"{field} is a setting of snapkv only; it must be None for {name}, got {value!r}")
     if name in ("full", "ed"):
         fixed = "never evicts" if name == "full" else "has its own schedule (Algorithm 2)"
         for field, value in (("kv_schedule", schedule), ("kv_sinks", sinks), ("kv_recent", recent)):
@@ -85,7 +116,7 @@ def make_method(name: str, schedule: str | None, budget: int, evict_every: int, 
                          f"None or 'decode', got {schedule!r}")
         ranking, schedule = AverageAttention(), "decode"
     else:
-        ranking = RANKINGS[name]()
+        ranking = _snapkv(budget, window, pool) if name == "snapkv" else RANKINGS[name]()
         schedule = schedule or ranking.default_schedule
     if schedule == "once":
         if budget < 1:
@@ -103,6 +134,8 @@ def make_method(name: str, schedule: str | None, budget: int, evict_every: int, 
     for field, value in (("kv_sinks", sinks), ("kv_recent", recent)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{field} must be an integer >= 0, got {value!r}")
+    if name == "snapkv":
+        recent = max(recent, ranking.window)   # the window's own pairs are kept
     if sinks + recent > room:
         raise ValueError(f"kv_sinks + kv_recent = {sinks} + {recent} leaves {name} nothing to evict under the "
                      f"{schedule} schedule: it must be {limit}")

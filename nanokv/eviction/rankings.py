@@ -27,6 +27,7 @@ class HeldPairs:
 class Ranking:
     name = ""
     needs_scores = False           # attention must accumulate per-slot scores for it
+    window: int | None = None      # scores count only the last `window` queries before an eviction
     default_schedule = "prefill"
     default_sinks = 0
 
@@ -80,4 +81,34 @@ class KeyNorm(Ranking):
         return -keys.to(torch.promote_types(keys.dtype, torch.float32)).norm(dim=-1)
 
 
-RANKINGS = {r.name: r for r in (AverageAttention, AccumulatedAttention, Recency, KeyNorm)}
+class LastQuery(Ranking):
+    """TOVA: the attention given by the most recent query alone (a window of one)."""
+    name = "tova"
+    needs_scores = True
+    window = 1
+    default_schedule = "decode"
+
+    def keep_priority(self, held):
+        return held.scores
+
+
+class ObservationWindow(Ranking):
+    """SnapKV: attention summed over the last `window` queries before the eviction,
+    max-pooled over `pool` neighbouring slots so that a kept key keeps its neighbours.
+    The window's own pairs are kept (make_method protects them)."""
+    name = "snapkv"
+    needs_scores = True
+    default_schedule = "once"
+
+    def __init__(self, window: int = 32, pool: int = 7):
+        self.window, self.pool = window, pool
+
+    def keep_priority(self, held):
+        scores = held.scores
+        pooled = torch.nn.functional.max_pool1d(scores.reshape(-1, 1, scores.shape[-1]), self.pool, stride=1,
+                                                padding=self.pool // 2)
+        return pooled.view_as(scores)
+
+
+RANKINGS = {r.name: r for r in (AverageAttention, AccumulatedAttention, LastQuery, ObservationWindow,
+                                Recency, KeyNorm)}

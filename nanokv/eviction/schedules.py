@@ -37,6 +37,11 @@ class Schedule:
         """Slots seq keeps blocks for after an eviction: the rest go back to the pool."""
         return seq.num_kv_slots
 
+    def next_eviction(self, seq: Sequence) -> int | None:
+        """The position before which seq evicts next (None: never), seen from its next chunk,
+        its pending eviction already applied: where a windowed ranking's window ends."""
+        return None
+
 
 class Prefill(Schedule):
     """Algorithm 1 of Batch-Max: the prompt is read in chunks; whenever a head holds
@@ -55,6 +60,9 @@ class Prefill(Schedule):
 
     def reserve_slots(self, seq):
         return self.steady_slots(seq)
+
+    def next_eviction(self, seq):
+        return seq.num_computed_tokens + self.budget - seq.num_kv_slots
 
 
 def in_prompt(seq: Sequence) -> bool:
@@ -89,6 +97,12 @@ class Decode(PromptFirst):
             return max(seq.num_kv_slots - (self.budget - self.evict_every), 0)
         return super().evict_count(seq)
 
+    def next_eviction(self, seq):
+        prompt = len(seq.prompt_token_ids)
+        if in_prompt(seq) and prompt > self.budget - self.evict_every:
+            return prompt
+        return super().next_eviction(seq)
+
 
 class Once(PromptFirst):
     """A full prefill, one compression to |kv|, then no more eviction: the cache grows
@@ -108,6 +122,10 @@ class Once(PromptFirst):
         prompt = len(seq.prompt_token_ids)
         return min(self.budget, prompt) + seq.max_slots - prompt
 
+    def next_eviction(self, seq):
+        prompt = len(seq.prompt_token_ids)
+        return prompt if in_prompt(seq) and prompt > self.budget else None
+
 
 class ExtremeDecoding(PromptFirst):
     """Algorithm 2 (ED): a full prefill, then only the most recent pair is kept,
@@ -126,6 +144,9 @@ class ExtremeDecoding(PromptFirst):
         if not in_prompt(seq) and (prompt_just_ended(seq) or seq.num_kv_slots >= self.budget):
             return seq.num_kv_slots - 1
         return 0
+
+    def next_eviction(self, seq):
+        return None   # its ranking (recency) needs no scores
 
 
 SCHEDULES = {s.name: s for s in (Prefill, Decode, Once)}
