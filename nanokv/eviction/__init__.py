@@ -48,6 +48,12 @@ class KVMethod:
         return self.schedule.steady_slots(seq)
 
     @property
+    def rule(self) -> tuple:
+        """What decides which pairs go: sequences with the same rule are ranked together."""
+        return (self.name, self.sinks, self.recent, getattr(self.ranking, "window", None),
+                getattr(self.ranking, "pool", None))
+
+    @property
     def windowed(self) -> bool:
         """Its scores count a window of queries and restart after each eviction."""
         return self.ranking is not None and self.ranking.window is not None
@@ -63,7 +69,7 @@ class KVMethod:
         return max(end - self.ranking.window - seq.num_computed_tokens, 0)
 
     def keep_priority(self, held: HeldPairs) -> torch.Tensor:
-        """[L, H, n] priorities, the lowest evicted first; protected pairs get +inf."""
+        """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf."""
         if self.ranking is None:
             raise NotImplementedError(f"{self.name} never evicts")
         priority = self.ranking.keep_priority(held).float()

@@ -17,11 +17,11 @@ import torch
 
 @dataclass
 class HeldPairs:
-    """One sequence's pairs, each [L, H, n] in slot (= position) order."""
+    """The pairs of S sequences that evict together, each [S, L, H, n] in slot (= position) order."""
     positions: torch.Tensor            # original positions (int32)
-    scores: torch.Tensor               # accumulated attention probabilities (fp32)
-    current: int                       # position of the last query processed
-    keys: Callable[[], torch.Tensor]   # -> [L, H, n, D]: read only for a ranking that asks
+    scores: torch.Tensor               # attention probabilities accumulated (windowed: in the window), fp32
+    current: torch.Tensor              # [S, 1, 1, 1]: position of each sequence's last query processed
+    keys: Callable[[], torch.Tensor]   # -> [S, L, H, n, D]: read only for a ranking that asks
 
 
 class Ranking:
