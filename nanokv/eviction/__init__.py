@@ -72,7 +72,7 @@ class KVMethod:
         """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf."""
         if self.ranking is None:
             raise NotImplementedError(f"{self.name} never evicts")
-        priority = self.ranking.keep_priority(held).float()
+        priority = self.ranking.keep_priority(held)   # not cast: float64 key norms keep their precision
         protected = held.positions < self.sinks
         n = held.positions.shape[-1]
         protected |= torch.arange(n, device=priority.device) >= n - self.recent
