@@ -29,6 +29,7 @@ QUERY_TILE = 512   # prefill rows scored at a time: bounds the [heads, rows, con
 class Chunk:
     """Query rows that attend together, and where their context lives in the pool."""
     rows: slice | torch.Tensor   # its query rows (decodes: the rows of all decode sequences)
+    seqs: torch.Tensor           # [S] the batch index of each of its sequences
     pool_rows: torch.Tensor      # [S, Hkv, L] int64: each slot's row in the pool (see _pool_rows)
     blocks: torch.Tensor         # [S, L] int64: each slot's block, for the scores
     mask: torch.Tensor | None    # decodes: additive [S, 1, 1, L] where contexts differ; None: all visible
@@ -71,7 +72,7 @@ def make_plan(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_le
         ragged = any(lens[b] != longest for b in decode_seqs)
         rows = slice(0, len(decode_seqs)) if decode_seqs == list(range(len(decode_seqs))) \
             else cu_seqlens_q[seqs].long()
-        decodes = Chunk(rows, *_pool_rows(block_tables[seqs], longest, num_kv_heads, block_size),
+        decodes = Chunk(rows, seqs, *_pool_rows(block_tables[seqs], longest, num_kv_heads, block_size),
                         additive(visible[:, None, None]) if ragged else None, visible[:, None])
     prefills = []
     for b in range(len(lens)):
@@ -82,7 +83,7 @@ def make_plan(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_le
         if scores:
             query_slot = context_len - n + torch.arange(n, device=device)
             visible = (torch.arange(context_len, device=device)[None, :] <= query_slot[:, None])[None]
-        prefills.append(Chunk(slice(starts[b], starts[b + 1]),
+        prefills.append(Chunk(slice(starts[b], starts[b + 1]), torch.tensor([b], device=device),
                               *_pool_rows(block_tables[b:b + 1], context_len, num_kv_heads, block_size),
                               None, visible))
     return StepPlan(decodes, prefills)
@@ -131,20 +132,33 @@ def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return (seen_out.float() * seen_weight + own_out.float() * own_weight).to(q.dtype)
 
 
-def _attend_with_scores(q, k, v, visible, scale):
+def _attend_with_scores(q, k, v, visible, scale, counted):
     """q [S, Hkv, G, n, D], k/v [S, Hkv, L, D], visible [S or 1, n, L] -> out [S, Hkv, G, n, D]
-    in q's dtype and the probabilities summed over G and n: [S, Hkv, L], all computed in fp32."""
+    in q's dtype and the probabilities summed over G and the counted queries (counted [S, n]
+    bool, or None for all): [S, Hkv, L], all computed in fp32."""
     logits = torch.matmul(q.float(), k.float().unsqueeze(2).transpose(-1, -2)) * scale   # [S, Hkv, G, n, L]
     logits.masked_fill_(~visible[:, None, None], float("-inf"))
     probs = logits.softmax(dim=-1)
-    return torch.matmul(probs, v.float().unsqueeze(2)).to(q.dtype), probs.sum(dim=(2, 3))
+    out = torch.matmul(probs, v.float().unsqueeze(2)).to(q.dtype)
+    if counted is not None:
+        probs = probs * counted[:, None, None, :, None]
+    return out, probs.sum(dim=(2, 3))
+
+
+def _counted(score_from: torch.Tensor | None, seqs: torch.Tensor, first_query: int, n: int):
+    """[S, n] bool: which of queries first_query .. first_query + n - 1 of each sequence's chunk
+    add to the scores (those from its score_from on); None when all do."""
+    if score_from is None:
+        return None
+    return torch.arange(first_query, first_query + n, device=seqs.device)[None, :] >= score_from[seqs, None]
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                        scale: float, score_cache: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float, score_cache: torch.Tensor | None = None,
+                        score_from: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention_ref's output for q [T, Hq, D]; with score_cache, also
-    accumulate_key_scores_ref's update of it (both up to float rounding)."""
+    accumulate_key_scores_ref's update of it, score_from included (both up to float rounding)."""
     T, Hq, D = q.shape
     Hkv, bs = k_cache.shape[1:3]
     G = Hq // Hkv
@@ -158,7 +172,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if score_cache is None:
             o = F.scaled_dot_product_attention(q_d, k, v, attn_mask=c.mask, scale=scale)
         else:
-            o, probs_sum = _attend_with_scores(q_d[:, :, :, None], k, v, c.visible, scale)
+            o, probs_sum = _attend_with_scores(q_d[:, :, :, None], k, v, c.visible, scale,
+                                               _counted(score_from, c.seqs, 0, 1))
             _add_scores(score_cache, c.blocks, probs_sum)
         if out is None:
             return o.reshape(T, Hq, D)
@@ -174,7 +189,8 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         probs_sum = torch.zeros(1, Hkv, k.shape[2], device=q.device)
         for at in range(0, n, QUERY_TILE):   # a tile of queries at a time bounds the probabilities' memory
             tile = slice(at, at + QUERY_TILE)
-            o, tile_sum = _attend_with_scores(q_g[:, :, :, tile], k, v, c.visible[:, tile], scale)
+            o, tile_sum = _attend_with_scores(q_g[:, :, :, tile], k, v, c.visible[:, tile], scale,
+                                              _counted(score_from, c.seqs, at, min(QUERY_TILE, n - at)))
             out[first + at:first + at + o.shape[3]] = o[0].flatten(0, 1).transpose(0, 1)
             probs_sum += tile_sum
         _add_scores(score_cache, c.blocks, probs_sum)

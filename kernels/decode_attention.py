@@ -138,7 +138,7 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
         part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, logits_ptr, score_ptr, table_ptr, context_lens_ptr,
-        num_splits,
+        score_from_ptr, num_splits,
         stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, stride_lb,
         stride_lgb, stride_lgh, stride_sb, stride_sh, stride_table_b, stride_table_h,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -152,12 +152,15 @@ def _decode_merge_kernel(
     is weighted by exp2(lse_i - lse), its share of the whole denominator. With
     SCORES, every program turns the saved logits of its own split's slots into
     probabilities, exp2(logit - lse), sums them over the group and adds them
-    into the score cache, so the key scores are as parallel as the attention.
+    into the score cache, so the key scores are as parallel as the attention. A
+    sequence's one query counts only if score_from[seq] <= 0 (windowed rankings).
     """
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, split_len, context_len = _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N, MIN_SPLIT)
     if SCORES:
-        idle = (split > 0) & (start >= context_len)   # no slots to score (split 0 writes the output)
+        counts = tl.load(score_from_ptr + seq) <= 0
+        end = tl.where(counts, end, start)   # a query before its window scores no slot
+        idle = (split > 0) & (start >= end)   # no slots to score (split 0 writes the output)
     else:
         idle = split > 0
     if idle:
@@ -211,7 +214,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                                   num_splits: int, return_lse: bool = False,
                                   score_cache: torch.Tensor | None = None, logits: torch.Tensor | None = None,
-                                  workspace: DecodeWorkspace | None = None, out: torch.Tensor | None = None):
+                                  workspace: DecodeWorkspace | None = None, out: torch.Tensor | None = None,
+                                  score_from: torch.Tensor | None = None):
     """One query per sequence: q [B, Hq, D] -> out [B, Hq, D] (and lse [B, Hq]),
     as paged_attention_ref with cu_seqlens_q = arange(B + 1).
 
@@ -225,7 +229,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     score_cache [num_blocks, Hkv, block_size] fp32, if given, gets added (in
     place) for every visible slot the softmax probabilities of that key,
     summed over the G query heads of its KV head; logits (logits_scratch())
-    holds the raw scores meanwhile.
+    holds the raw scores meanwhile. score_from [B] int32: a sequence's query adds to
+    the scores only where score_from <= 0 (None: everywhere).
 
     workspace (decode_workspace()) and logits are allocated per call if None,
     which is fine eagerly; under CUDA graphs pass ones allocated before capture,
@@ -246,8 +251,11 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         assert logits.shape == (num_blocks, Hq, block_size) and logits.dtype == torch.float32, logits.shape
         assert score_cache.shape == k_cache.shape[:3] and score_cache.dtype == torch.float32
         assert score_cache.stride(-1) == 1 and logits.stride(-1) == 1
+        if score_from is None:
+            score_from = torch.zeros(B, dtype=torch.int32, device=q.device)
+        assert score_from.dtype == torch.int32 and score_from.shape[0] >= B, score_from.shape
     else:
-        logits = score_cache = part_lse   # stand-ins the kernels never touch with scores off
+        logits = score_cache = score_from = part_lse   # stand-ins the kernels never touch with scores off
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
     if B == 0:
@@ -266,7 +274,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(G)),
         UPCAST=upcast, DOT_PRECISION=precision, SAVE_LOGITS=scores, num_warps=num_warps, **common)
     _decode_merge_kernel[(B, Hkv, num_splits)](
-        part_out, part_lse, out, lse, logits, score_cache, block_tables, context_lens, num_splits,
+        part_out, part_lse, out, lse, logits, score_cache, block_tables, context_lens, score_from, num_splits,
         *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), lse.stride(0),
         *logits.stride()[:2], *score_cache.stride()[:2], *table_strides,
         G_PAD=triton.next_power_of_2(G), RETURN_LSE=return_lse, SCORES=scores, **common)

@@ -16,7 +16,10 @@ a second pass over V.
 Batch layout is that of kernels/attention.py: sequence b owns query rows
 cu_seqlens_q[b]:cu_seqlens_q[b+1], its context is the first context_lens[b]
 slots (its new tokens last), and query j sees slots 0 .. context_len - q_len + j.
-block_tables is either [B, max_blocks], shared by all KV heads, or
+score_from [B] int32, if given, makes only the queries j >= score_from[b] of
+sequence b count (windowed rankings: SnapKV's observation window, TOVA's last
+query); a per-sequence tensor, so one batch mixes rules and a CUDA graph
+replays for any window. block_tables is either [B, max_blocks], shared by all KV heads, or
 [B, Hkv, max_blocks], one table per KV head (after per-head eviction the
 same slot of two heads may live in different blocks).
 """
@@ -37,7 +40,8 @@ def _per_head_tables(block_tables: torch.Tensor, num_kv_heads: int) -> torch.Ten
 
 def accumulate_key_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, score_cache: torch.Tensor,
                               block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                              context_lens: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+                              context_lens: torch.Tensor, lse: torch.Tensor, scale: float,
+                              score_from: torch.Tensor | None = None) -> None:
     """Add to score_cache [num_blocks, Hkv, bs] (fp32, in place) the attention
     probabilities that the queries q [T, Hq, D] gave each key of their context,
     summed over the queries and over the G = Hq / Hkv query heads of each KV head.
@@ -63,6 +67,8 @@ def accumulate_key_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, score_cach
         logits = torch.einsum("nhgd,hld->hgnl", q_b, k) * scale
         query_slot = context_len - n + torch.arange(n, device=q.device)
         visible = slots[None, :] <= query_slot[:, None]                  # [n, L]
+        if score_from is not None:
+            visible &= (torch.arange(n, device=q.device) >= int(score_from[b]))[:, None]
         # Masked, not multiplied: exp of an unseen key's logit may overflow to inf.
         probs = torch.exp(logits - lse_b[..., None]).masked_fill(~visible, 0.0)
         score_cache[blocks, heads, offsets] += probs.sum(dim=(1, 2))
@@ -71,7 +77,7 @@ def accumulate_key_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, score_cach
 @triton.jit
 def _accumulate_key_scores_kernel(
         q_ptr, k_cache_ptr, score_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, lse_ptr,
-        scale,
+        score_from_ptr, scale,
         stride_q_t, stride_q_h,
         stride_k_block, stride_k_head, stride_k_slot,
         stride_score_block, stride_score_head, stride_score_slot,
@@ -119,8 +125,9 @@ def _accumulate_key_scores_kernel(
     q_heads = kv_head * G + rows % G
     scores = tl.zeros([BLOCK_N], dtype=tl.float32)
     # Query j sees slot s iff s <= prefix_len + j: queries before j = first_slot - prefix_len
-    # see none of this tile, so the loop starts there.
-    for first_query in range(tl.maximum(first_slot - prefix_len, 0), q_len, BLOCK_Q):
+    # see none of this tile, and those before score_from count for nothing, so the loop starts there.
+    first_counted = tl.maximum(tl.load(score_from_ptr + seq), 0)
+    for first_query in range(tl.maximum(first_slot - prefix_len, first_counted), q_len, BLOCK_Q):
         queries = first_query + rows // G
         row_mask = (rows < BLOCK_Q * G) & (queries < q_len)
         q = tl.load(q_ptr + (q_start + queries[:, None]) * stride_q_t + q_heads[:, None] * stride_q_h
@@ -144,6 +151,7 @@ def _accumulate_key_scores_kernel(
 def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_cache: torch.Tensor,
                                  block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                  context_lens: torch.Tensor, lse: torch.Tensor, scale: float,
+                                 score_from: torch.Tensor | None = None,
                                  max_query_len: int | None = None, max_context_len: int | None = None) -> None:
     """accumulate_key_scores_ref as one Triton kernel that never materialises the
     [queries x keys] probabilities: each program recomputes them tile by tile.
@@ -156,6 +164,9 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
     G = Hq // Hkv
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "head_dim must be contiguous"
     assert score_cache.dtype == torch.float32 and lse.dtype == torch.float32
+    if score_from is None:
+        score_from = torch.zeros_like(context_lens)
+    assert score_from.dtype == torch.int32 and score_from.shape == context_lens.shape
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if max_context_len is None:
@@ -171,7 +182,7 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
     grid = (len(context_lens), triton.cdiv(max_context_len, block_n), Hkv)
     _accumulate_key_scores_kernel[grid](
         q, k_cache, score_cache, block_tables, cu_seqlens_q, context_lens, lse,
-        scale,
+        score_from, scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         score_cache.stride(0), score_cache.stride(1), score_cache.stride(2),

@@ -65,6 +65,7 @@ class Attention(nn.Module):
                                       meta.context_lens, self.scale, max_query_len=meta.max_query_len,
                                       max_context_len=meta.max_context_len, num_decodes=meta.num_decodes,
                                       score_cache=layer.scores if meta.accumulate_scores else None,
+                                      score_from=meta.score_from,
                                       logits=layer.logits, workspace=meta.decode_workspace)
         return self.o_proj(out.reshape(T, self.q_size))
 

@@ -26,4 +26,5 @@ class AttentionMetadata:
     max_context_len: int         # an upper bound of context_lens (decode graphs: max_model_len)
     num_decodes: int = 0         # the first num_decodes sequences have one query each
     accumulate_scores: bool = False  # add each key's attention probabilities to its slot's score
+    score_from: torch.Tensor | None = None  # [B] int32: only queries from this index of a chunk add (None: all)
     decode_workspace: DecodeWorkspace | None = None  # flash-decoding's scratch, allocated once (None: per call)

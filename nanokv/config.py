@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from nanokv.checks import SEED_RANGE, check_bool, check_choice, check_float, check_int, check_type
-from nanokv.eviction import METHODS
+from nanokv.eviction import METHODS, SCHEDULE_NAMES
 
 # HF `architectures` name -> the family flags our one decoder needs.
 SUPPORTED_ARCHITECTURES = {
@@ -109,10 +109,15 @@ class EngineConfig:
     max_model_len: int | None = None    # prompt + output limit; default: the model's context
     seed: int = 0                       # for requests that give no seed of their own
     enforce_eager: bool = False         # CUDA: no decode graphs (debugging, profiling)
-    # Defaults for requests whose SamplingParams leave them unset (nanokv/eviction.py).
-    kv_method: str = "full"             # "full", "batchmax", "decode_only" or "ed"
+    # Defaults for requests whose SamplingParams leave them unset (nanokv/eviction/).
+    kv_method: str = "full"             # a ranking (METHODS): "full", "batchmax", "h2o", ...
+    kv_schedule: str | None = None      # "prefill", "decode" or "once"; None: the ranking's own
     kv_budget: int = 1024               # |kv|: most KV pairs kept per KV head
     evict_every: int = 64               # p: pairs evicted at a time
+    kv_sinks: int | None = None         # first positions never evicted; None: the ranking's default
+    kv_recent: int | None = None        # most recent pairs never evicted; None: the ranking's default
+    kv_window: int | None = None        # snapkv's observation window; None: 32
+    kv_pool: int | None = None          # snapkv's odd max-pooling kernel; None: 7
 
     def __post_init__(self):
         check_type("model", self.model, (str,), "a model directory or hub id (str)", optional=True)
@@ -133,8 +138,13 @@ class EngineConfig:
         check_int("seed", self.seed, *SEED_RANGE)
         check_bool("enforce_eager", self.enforce_eager)
         check_choice("kv_method", self.kv_method, METHODS)   # LLM checks the method's budget with make_method
+        check_choice("kv_schedule", self.kv_schedule, SCHEDULE_NAMES, optional=True)
         check_int("kv_budget", self.kv_budget, 1)
         check_int("evict_every", self.evict_every, 1)
+        check_int("kv_sinks", self.kv_sinks, 0, optional=True)
+        check_int("kv_recent", self.kv_recent, 0, optional=True)
+        check_int("kv_window", self.kv_window, 1, optional=True)
+        check_int("kv_pool", self.kv_pool, 1, optional=True)
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:

@@ -38,6 +38,7 @@ class DecodeGraphs:
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.score_from = torch.zeros(n, dtype=torch.int32, device=device)   # windowed rankings (attention.py)
         self.hidden = torch.zeros(n, model.config.hidden_size, dtype=kv_cache.k.dtype, device=device)
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         # Two graphs per size: one that also accumulates eviction scores (a batch with an
@@ -58,7 +59,8 @@ class DecodeGraphs:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
                                  context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
                                  max_query_len=1, max_context_len=self.max_model_len, num_decodes=bs,
-                                 accumulate_scores=scores, decode_workspace=self.workspace)
+                                 accumulate_scores=scores, score_from=self.score_from[:bs],
+                                 decode_workspace=self.workspace)
 
     @torch.inference_mode()
     def _forward(self, bs: int, scores: bool) -> None:
@@ -80,5 +82,7 @@ class DecodeGraphs:
         self.context_lens[:n] = meta.context_lens
         self.context_lens[n:bs] = 0
         self.block_tables[:n, :width] = meta.block_tables
+        if meta.accumulate_scores:
+            self.score_from[:n] = meta.score_from
         self.graphs[bs, meta.accumulate_scores].replay()
         return self.hidden[:n]

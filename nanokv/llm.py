@@ -66,7 +66,9 @@ class LLM:
                             f"the options are {', '.join(sorted(fields - {'model', 'dtype'}))}")
         self.config = EngineConfig(model=model, dtype=dtype, **options)
         cfg = self.config
-        make_method(cfg.kv_method, cfg.kv_budget, cfg.evict_every, cfg.block_size)   # check the defaults now
+        make_method(cfg.kv_method, cfg.kv_schedule, cfg.kv_budget, cfg.evict_every, cfg.block_size,
+                    sinks=cfg.kv_sinks, recent=cfg.kv_recent, window=cfg.kv_window,
+                    pool=cfg.kv_pool)   # check the defaults now
         if kernels.BACKEND == "triton" and cfg.block_size < 16:
             raise ValueError(f"block_size must be >= 16 with the Triton kernels, got {cfg.block_size} "
                              "(NANOKV_KERNELS=torch takes any power of two)")
@@ -142,12 +144,15 @@ class LLM:
         params.check()
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
         cfg = self.config
-        name = params.kv_method or cfg.kv_method
-        method = make_method(name, cfg.kv_budget if params.kv_budget is None else params.kv_budget,
-                             cfg.evict_every if params.evict_every is None else params.evict_every,
-                             cfg.block_size)
+        def setting(field: str):
+            value = getattr(params, field)
+            return getattr(cfg, field) if value is None else value
+        name = setting("kv_method")
+        method = make_method(name, setting("kv_schedule"), setting("kv_budget"), setting("evict_every"),
+                             cfg.block_size, sinks=setting("kv_sinks"), recent=setting("kv_recent"),
+                             window=setting("kv_window"), pool=setting("kv_pool"))
         if params.return_kept_positions and name == "full":
-            raise ValueError("return_kept_positions needs an evicting kv_method (batchmax, decode_only, ed); "
+            raise ValueError("return_kept_positions needs an evicting kv_method (any but full); "
                              "with full every position is kept")
         return method
 

@@ -39,12 +39,14 @@ def plot_kept_positions(kept: torch.Tensor, num_positions: int, path: str, title
 
 def main() -> None:
     from nanokv import LLM, SamplingParams
+    from nanokv.eviction import METHODS, SCHEDULE_NAMES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--text-file", default=None, help="the prompt (default: the source of the json module)")
     parser.add_argument("--tokens", type=int, default=1024, help="prompt length, in tokens")
-    parser.add_argument("--method", default="batchmax", choices=["batchmax", "decode_only", "ed"])
+    parser.add_argument("--method", default="batchmax", choices=[m for m in METHODS if m != "full"])
+    parser.add_argument("--schedule", default=None, choices=SCHEDULE_NAMES, help="default: the method's own")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--evict-every", type=int, default=64)
     parser.add_argument("--out", default="kept.png")
@@ -52,7 +54,8 @@ def main() -> None:
     text = open(args.text_file).read() if args.text_file else inspect.getsource(json)
     llm = LLM(args.model, dtype="float32")
     prompt = llm.tokenizer.encode(text)[:args.tokens]
-    params = SamplingParams(temperature=0, max_tokens=1, kv_method=args.method, kv_budget=args.budget,
+    params = SamplingParams(temperature=0, max_tokens=1, kv_method=args.method, kv_schedule=args.schedule,
+                            kv_budget=args.budget,
                             evict_every=args.evict_every, return_kept_positions=True)
     kept = llm.generate([prompt], params)[0].kept_positions
     title = f"{args.method}, |kv| = {args.budget}, p = {args.evict_every}: kept of {len(prompt)} prompt tokens"

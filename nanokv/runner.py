@@ -6,6 +6,7 @@ model, the KV cache tensors and the sampler.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,7 @@ import kernels
 from models import Decoder
 from nanokv.config import EngineConfig, ModelConfig
 from nanokv.cuda_graphs import DecodeGraphs
+from nanokv.eviction.rankings import HeldPairs
 from nanokv.kv_cache import KVCache
 from nanokv.sampling import Sampler
 from nanokv.scheduler import Eviction, ScheduledBatch
@@ -136,6 +138,7 @@ class ModelRunner:
             if start + n == seq.num_tokens:   # the chunk reaches the end: sample the next token
                 step.sample_rows.append(cu_seqlens[-1] - 1)
                 step.sampled_seqs.append(seq)
+        score_from = [seq.method.score_from(seq) for seq, _ in order]
         width = max(len(seq.block_table) for seq in batch.seqs)
         tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in order]
 
@@ -148,7 +151,7 @@ class ModelRunner:
             max_query_len=max(batch.num_new_tokens), max_context_len=max(context_lens),
             num_decodes=batch.num_new_tokens.count(1),
             accumulate_scores=any(seq.method.needs_scores for seq in batch.seqs),
-            decode_workspace=self.decode_workspace)
+            score_from=tensor(score_from, torch.int32), decode_workspace=self.decode_workspace)
         return step
 
     @torch.inference_mode()
@@ -156,8 +159,7 @@ class ModelRunner:
         """Evict, then one forward pass; returns seq_id -> sampled token for the
         sequences whose chunk reached their end."""
         start = self._clock()
-        for eviction in batch.evictions:
-            self.evict(eviction)
+        self.evict(batch.evictions)
         evicted = self._clock()
         step = self.prepare(batch)
         meta = step.meta
@@ -205,36 +207,54 @@ class ModelRunner:
             for (seq, i), lp, tok, tlp in zip(targets, chosen, top_token.tolist(), top_logprob.tolist()):
                 seq.prompt_logprobs[i] = PromptLogprob(lp, tok, tlp)
 
-    def evict(self, eviction: Eviction) -> None:
-        """Drop eviction.num_evicted pairs from every (layer, KV head) of one sequence and
-        compact the survivors into the first slots (in their old order, so slot order
-        stays position order)."""
-        seq = eviction.seq
-        table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
-        keep = self._survivors(seq, table, eviction.num_slots, eviction.num_evicted)
-        kernels.compact_kv(self.kv_cache.k, self.kv_cache.v, self.kv_cache.positions, self.kv_cache.scores,
-                           table, keep)
+    def evict(self, evictions: list[Eviction]) -> None:
+        """Drop each eviction's pairs from every (layer, KV head) of its sequence and compact
+        the survivors into the first slots (in their old order, so slot order stays position
+        order). The sequences of one rule, size and count are ranked together, as one batch."""
+        groups = defaultdict(list)
+        for eviction in evictions:
+            groups[eviction.seq.method.rule, eviction.num_slots, eviction.num_evicted].append(eviction.seq)
+        for (_, num_slots, num_evicted), seqs in groups.items():
+            tables = self._tables(seqs, num_slots)
+            keep = self._survivors(seqs, tables, num_slots, num_evicted)
+            for seq, table, kept in zip(seqs, tables, keep):
+                kernels.compact_kv(self.kv_cache.k, self.kv_cache.v, self.kv_cache.positions,
+                                   self.kv_cache.scores, table, kept)
+                if seq.method.windowed:   # its scores restart: the next window counts from zero
+                    self.kv_cache.scores[:, table] = 0.0
 
-    def _survivors(self, seq: Sequence, table: torch.Tensor, num_slots: int, num_evicted: int) -> torch.Tensor:
-        """[L, H, num_slots - num_evicted] ascending slot indices each head keeps, by its method's
-        ranking: a stable ascending sort evicts the lowest first, ties by slot (= by position)."""
-        positions = self.read_slots(self.kv_cache.positions, table, num_slots)
+    def _tables(self, seqs: list[Sequence], num_slots: int) -> torch.Tensor:
+        """[S, nb]: the blocks holding each sequence's first num_slots slots."""
+        nb = -(-num_slots // self.block_size)
+        return torch.tensor([seq.block_table[:nb] for seq in seqs], dtype=torch.long, device=self.device)
+
+    def _survivors(self, seqs: list[Sequence], tables: torch.Tensor, num_slots: int,
+                   num_evicted: int) -> torch.Tensor:
+        """[S, L, H, num_slots - num_evicted] ascending slot indices each head keeps, by the
+        sequences' common rule: a stable ascending sort evicts the lowest first, ties by slot
+        (= by position)."""
+        positions = self.read_slots(self.kv_cache.positions, tables, num_slots)
         if num_evicted == 0:
             return torch.arange(num_slots, device=self.device).expand(positions.shape)
-        scores = self.read_slots(self.kv_cache.scores, table, num_slots)
-        priority = seq.method.keep_priority(scores, positions, seq.num_computed_tokens - 1)
+        current = torch.tensor([seq.num_computed_tokens - 1 for seq in seqs], device=self.device)
+        held = HeldPairs(positions, self.read_slots(self.kv_cache.scores, tables, num_slots),
+                         current=current[:, None, None, None],
+                         keys=lambda: self.read_slots(self.kv_cache.k, tables, num_slots))
+        priority = seqs[0].method.keep_priority(held)
         return priority.argsort(dim=-1, stable=True)[..., num_evicted:].sort(dim=-1).values
 
-    def read_slots(self, per_slot: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-        """The first n slots of one sequence from a per-slot buffer [L, blocks, H, bs] -> [L, H, n]."""
-        pages = per_slot[:, table[:-(-n // self.block_size)]]       # [L, nb, H, bs]
-        return pages.transpose(1, 2).flatten(2)[:, :, :n]
+    def read_slots(self, per_slot: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
+        """The first n slots of S sequences (tables [S, nb]) from a per-slot buffer
+        [L, blocks, H, bs, ...] -> [S, L, H, n, ...]."""
+        pages = per_slot[:, tables]                                   # [L, S, nb, H, bs, ...]
+        return pages.movedim(0, 1).transpose(2, 3).flatten(3, 4)[:, :, :, :n]
 
     def kept_positions(self, seq: Sequence) -> torch.Tensor:
         """The original positions of the pairs seq holds at the end, per layer and KV head:
         [L, H, n]. A method whose algorithm evicts right after a chunk (ED) still has that
         eviction pending here (the engine evicts before the next chunk): it is applied."""
-        table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
+        n = seq.num_kv_slots
+        tables = self._tables([seq], n)
         pending = seq.method.evict_count(seq) if seq.method.evicts_eagerly else 0
-        keep = self._survivors(seq, table, seq.num_kv_slots, pending)
-        return self.read_slots(self.kv_cache.positions, table, seq.num_kv_slots).gather(-1, keep).cpu()
+        keep = self._survivors([seq], tables, n, pending)
+        return self.read_slots(self.kv_cache.positions, tables, n).gather(-1, keep)[0].cpu()

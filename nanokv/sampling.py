@@ -7,7 +7,7 @@ import torch
 
 from nanokv.checks import (SEED_RANGE, check_bool, check_choice, check_float, check_int,
                            check_token_ids)
-from nanokv.eviction import METHODS
+from nanokv.eviction import METHODS, SCHEDULE_NAMES
 
 FAILED = -1   # the token of a row that could not be sampled (its error is in Sampler.errors)
 
@@ -22,10 +22,15 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings, not included in the text
-    # KV-cache eviction (nanokv/eviction.py); None takes the engine's default.
-    kv_method: str | None = None        # "full", "batchmax", "decode_only" or "ed"
+    # KV-cache eviction (nanokv/eviction/); None takes the engine's default.
+    kv_method: str | None = None        # a ranking (METHODS): "full", "batchmax", "h2o", ...
+    kv_schedule: str | None = None      # when it evicts: "prefill", "decode" or "once" (None: the ranking's)
     kv_budget: int | None = None        # |kv|: most KV pairs kept per KV head
-    evict_every: int | None = None      # p: pairs evicted at a time (batchmax, decode_only)
+    evict_every: int | None = None      # p: pairs evicted at a time (prefill, decode schedules)
+    kv_sinks: int | None = None         # first positions never evicted (None: the ranking's default)
+    kv_recent: int | None = None        # most recent pairs never evicted (None: the ranking's default)
+    kv_window: int | None = None        # snapkv: queries in its observation window (None: 32)
+    kv_pool: int | None = None          # snapkv: odd max-pooling kernel over neighbouring slots (None: 7)
     return_kept_positions: bool = False  # output: positions each (layer, KV head) kept at the end
     prompt_logprobs: bool = False       # output: log-probability of every prompt token
 
@@ -49,8 +54,13 @@ class SamplingParams:
         if not all(self.stop):
             raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
         check_choice("kv_method", self.kv_method, METHODS, optional=True)
+        check_choice("kv_schedule", self.kv_schedule, SCHEDULE_NAMES, optional=True)
         check_int("kv_budget", self.kv_budget, 1, optional=True)
         check_int("evict_every", self.evict_every, 1, optional=True)
+        check_int("kv_sinks", self.kv_sinks, 0, optional=True)
+        check_int("kv_recent", self.kv_recent, 0, optional=True)
+        check_int("kv_window", self.kv_window, 1, optional=True)
+        check_int("kv_pool", self.kv_pool, 1, optional=True)
         check_bool("return_kept_positions", self.return_kept_positions)
         check_bool("prompt_logprobs", self.prompt_logprobs)
 

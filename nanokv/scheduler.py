@@ -5,7 +5,7 @@ Each step fills a token budget: first the running sequences (one token per
 decoding sequence, or the next chunk of an unfinished prompt), then newly
 admitted prompts. Admission reserves blocks for what a sequence can hold at
 its peak: its prompt with a full cache, only its budget |kv| when it evicts
-as it reads the prompt (nanokv/eviction.py). When a sequence needs a block
+as it reads the prompt (nanokv/eviction/). When a sequence needs a block
 and none is free, the most recently admitted sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, to be
 recomputed from its tokens when there is room.

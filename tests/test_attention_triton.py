@@ -281,6 +281,25 @@ def test_decode_without_scores_matches():
                           tuple)
 
 
+def test_decode_scores_only_where_score_from_allows():
+    """score_from > 0: the sequence's one query is before its window, so it adds no score
+    (windowed rankings); its output is the same either way."""
+    Hkv, G, D, block_size = 2, 3, 64, 16
+    context_lens = torch.tensor([5, 70, 33, 300], dtype=torch.int32, device=KERNEL_DEVICE)
+    score_from = torch.tensor([0, 1, -3, 2**31 - 1], dtype=torch.int32, device=KERNEL_DEVICE)
+    k_cache, v_cache = make_cache(40, Hkv, block_size, D, torch.float32, KERNEL_DEVICE)
+    tables = scattered_tables(context_lens.tolist(), block_size, 40, 20, device=KERNEL_DEVICE)
+    q = torch.randn(4, Hkv * G, D, device=KERNEL_DEVICE)
+    scores = torch.zeros(40, Hkv, block_size, device=KERNEL_DEVICE)
+    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, 3, score_cache=scores,
+                                        score_from=score_from)
+    without = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, 3)
+    assert torch.equal(out, without)
+    counted = torch.where(score_from <= 0, context_lens, 0)
+    expected = dense_key_scores(q, k_cache, tables[:, None].expand(-1, Hkv, -1), counted, 0.125)
+    assert_close(scores, expected, SCORE_TOL[torch.float32], "scores")
+
+
 def test_decode_workspace_reuse():
     """As under CUDA-graph replay: one workspace and one logits scratch, sized for a
     bigger batch, serve calls whose context lengths change; they are never cleared."""

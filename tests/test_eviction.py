@@ -27,6 +27,28 @@ def llm(tiny_dir):
     (dict(kv_method="ed", kv_budget=1), "kv_budget for ed must be >= 2, got 1"),
     (dict(kv_method="batchmax", evict_every=0), "evict_every must be None or an integer >= 1, got 0"),
     (dict(kv_method="full", return_kept_positions=True), "return_kept_positions needs an evicting kv_method"),
+    (dict(kv_method="ed", kv_schedule="once"),
+     "kv_method ed has its own schedule \\(Algorithm 2\\): kv_schedule must be None, got 'once'"),
+    (dict(kv_method="full", kv_sinks=2), "kv_method full never evicts: kv_sinks must be None, got 2"),
+    (dict(kv_method="decode_only", kv_schedule="prefill"),
+     "decode_only is batchmax under the decode schedule: kv_schedule must be None or 'decode', got 'prefill'"),
+    (dict(kv_method="h2o", kv_budget=32, evict_every=16, kv_sinks=10, kv_recent=10),
+     "kv_sinks \\+ kv_recent = 10 \\+ 10 leaves h2o nothing to evict under the decode schedule: "
+     "it must be at most kv_budget - evict_every = 16"),
+    (dict(kv_method="knorm", kv_budget=20, kv_recent=20),
+     "kv_sinks \\+ kv_recent = 0 \\+ 20 leaves knorm nothing to evict under the once schedule: "
+     "it must be less than kv_budget = 20"),
+    (dict(kv_method="streamingllm", kv_schedule="once", kv_budget=3),
+     "kv_sinks \\+ kv_recent = 4 \\+ 0 leaves streamingllm nothing to evict"),
+    (dict(kv_method="h2o", kv_schedule="prefill", kv_budget=40), "multiple of the block size 16, got 40"),
+    (dict(kv_method="snapkv", kv_budget=32, kv_window=40), "kv_window must be an integer in \\[1, kv_budget = 32\\], got 40"),
+    (dict(kv_method="snapkv", kv_pool=4), "kv_pool must be an odd integer >= 1 \\(a centred kernel\\), got 4"),
+    (dict(kv_pool=0), "kv_pool must be None or an integer >= 1, got 0"),
+    (dict(kv_method="h2o", kv_window=8), "kv_window is a setting of snapkv only; it must be None for h2o, got 8"),
+    (dict(kv_method="snapkv", kv_budget=32, kv_window=20, kv_schedule="prefill"),
+     "kv_sinks \\+ kv_recent = 0 \\+ 20 leaves snapkv nothing to evict under the prefill schedule"),
+    (dict(kv_schedule="sometimes"), "unknown kv_schedule 'sometimes'; use one of prefill, decode, once or None"),
+    (dict(kv_sinks=-1), "kv_sinks must be None or an integer >= 0, got -1"),
 ])
 def test_bad_eviction_settings_are_refused(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -37,11 +59,11 @@ def test_bad_eviction_settings_are_refused(llm, kwargs, message):
 
 
 def test_unknown_method_name(tiny_dir):
-    message = "unknown kv_method 'snapkv'; use one of full, batchmax, decode_only, ed"
+    message = "unknown kv_method 'bogus'; use one of full, batchmax, h2o, tova, snapkv, streamingllm, knorm, decode_only, ed"
     with pytest.raises(ValueError, match=message):
-        SamplingParams(kv_method="snapkv")
+        SamplingParams(kv_method="bogus")
     with pytest.raises(ValueError, match=message):   # a bad engine default fails at construction
-        LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, kv_method="snapkv")
+        LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, kv_method="bogus")
 
 
 def test_engine_defaults_apply_and_requests_override(llm):
@@ -68,11 +90,14 @@ def test_prompt_logprobs_under_a_large_budget_equal_full(llm):
 
 def test_evicting_engine_on_triton_kernels_matches_references(tiny_dir):
     """Prefill key scores, decode scores, compaction: the interpreted Triton path and the CPU
-    backend keep the same pairs as the references."""
-    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (20, 70, 100)]
-    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=m, kv_budget=b,
-                             evict_every=16, return_kept_positions=True)
-              for m, b in (("batchmax", 32), ("decode_only", 48), ("ed", 5))]
+    backend keep the same pairs as the references, for every ranking."""
+    methods = (("batchmax", None, 32, {}), ("decode_only", None, 48, {}), ("ed", None, 5, {}),
+               ("h2o", "prefill", 32, {}), ("knorm", "decode", 32, {}), ("streamingllm", "once", 32, {}),
+               ("tova", "prefill", 32, {}), ("snapkv", "decode", 32, dict(kv_window=8, kv_pool=3)))
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (20, 70, 100, 60, 50, 40, 55, 45)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=m, kv_schedule=schedule,
+                             kv_budget=b, evict_every=16, return_kept_positions=True, **extra)
+              for m, schedule, b, extra in methods]
     results = {}
     before = kernels.BACKEND
     try:

@@ -170,6 +170,32 @@ def test_triton_matches_dense(case, dtype, per_head_tables):
     assert_scores(batch, initial, expected, touched, tol=1e-4 if KERNEL_DEVICE == "cuda" else 1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["ref", "triton"])
+def test_only_queries_from_score_from_count(kernel):
+    """score_from[b]: sequence b's queries before that index of its chunk add nothing
+    (windowed rankings); an index past the chunk, or a negative one, is fine."""
+    case = CASES["bs32-d128-g3"]
+    batch = make_batch(**case, dtype=torch.float32, per_head_tables=True)
+    _, _, lse = dense_expectation(batch)
+    score_from = torch.tensor([0, 20, 4, 3, -2], dtype=torch.int32)
+    expected = batch.score_cache.double().clone()
+    heads = torch.arange(batch.k_cache.shape[1])[:, None]
+    for b, first in enumerate(score_from.tolist()):
+        logits, blocks, offsets = dense_logits(batch, b)
+        probs = logits.softmax(dim=-1)
+        probs[:, :, :max(first, 0)] = 0.0
+        expected[blocks, heads, offsets] += probs.sum(dim=(1, 2))
+    initial = batch.score_cache.clone()
+    accumulate = accumulate_key_scores_ref if kernel == "ref" else accumulate_key_scores_triton
+    batch = batch.to(KERNEL_DEVICE)
+    accumulate(batch.q, batch.k_cache, batch.score_cache, batch.block_tables, batch.cu_seqlens_q,
+               batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale, score_from.to(KERNEL_DEVICE))
+    result = batch.score_cache.cpu().double()
+    touched = expected != initial.double()
+    torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(result[~touched], initial[~touched].double()), "slots no counted query sees must not change"
+
+
 def test_triton_launch_hints_are_optional_upper_bounds():
     """Without hints the kernel reads them from the tensors; loose ones only add idle programs."""
     batch = make_batch(**CASES["bs32-d128-g3"], dtype=torch.float32, per_head_tables=True)

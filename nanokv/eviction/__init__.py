@@ -1,0 +1,148 @@
+"""KV-cache eviction methods: a schedule times a ranking.
+
+The scheduler asks the method's schedule (nanokv/eviction/schedules.py) how
+many pairs to drop before a sequence's next chunk and how long that chunk may
+be; the runner asks its ranking (nanokv/eviction/rankings.py) which pairs each
+(layer, KV head) keeps, then compacts the survivors (kernels/compact.py).
+Kernels never know which method runs. Common to every ranking: the first
+`sinks` positions and the `recent` most recent pairs are never evicted.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanokv.eviction.rankings import RANKINGS, AverageAttention, HeldPairs, ObservationWindow, Ranking, Recency
+from nanokv.eviction.schedules import SCHEDULES, ExtremeDecoding, Schedule
+
+if TYPE_CHECKING:
+    from nanokv.sequence import Sequence
+
+# decode_only: Batch-Max's ranking under the decode schedule, by its old name.
+METHODS = ("full", *RANKINGS, "decode_only", "ed")
+SCHEDULE_NAMES = tuple(SCHEDULES)
+NO_QUERY = 2**31 - 1   # score_from of a chunk none of whose queries counts
+
+
+class KVMethod:
+    """One request's method. With no arguments, the full cache: it never evicts."""
+
+    def __init__(self, schedule: Schedule | None = None, ranking: Ranking | None = None,
+                 sinks: int = 0, recent: int = 0, name: str = "full"):
+        self.schedule, self.ranking = schedule or Schedule(), ranking
+        self.sinks, self.recent, self.name = sinks, recent, name
+        self.needs_scores = ranking is not None and ranking.needs_scores
+        self.evicts_eagerly = self.schedule.evicts_eagerly
+
+    def evict_count(self, seq: Sequence) -> int:
+        return self.schedule.evict_count(seq)
+
+    def max_chunk(self, seq: Sequence, slots: int) -> int:
+        return self.schedule.max_chunk(seq, slots)
+
+    def reserve_slots(self, seq: Sequence) -> int:
+        return self.schedule.reserve_slots(seq)
+
+    def steady_slots(self, seq: Sequence) -> int:
+        return self.schedule.steady_slots(seq)
+
+    @property
+    def rule(self) -> tuple:
+        """What decides which pairs go: sequences with the same rule are ranked together."""
+        return (self.name, self.sinks, self.recent, getattr(self.ranking, "window", None),
+                getattr(self.ranking, "pool", None))
+
+    @property
+    def windowed(self) -> bool:
+        """Its scores count a window of queries and restart after each eviction."""
+        return self.ranking is not None and self.ranking.window is not None
+
+    def score_from(self, seq: Sequence) -> int:
+        """The first query of seq's next chunk (an index into it) whose attention counts:
+        a windowed ranking counts the last `window` queries before the next eviction."""
+        if not self.windowed:
+            return 0
+        end = self.schedule.next_eviction(seq)
+        if end is None:
+            return NO_QUERY
+        return max(end - self.ranking.window - seq.num_computed_tokens, 0)
+
+    def keep_priority(self, held: HeldPairs) -> torch.Tensor:
+        """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf."""
+        if self.ranking is None:
+            raise NotImplementedError(f"{self.name} never evicts")
+        priority = self.ranking.keep_priority(held)   # not cast: float64 key norms keep their precision
+        protected = held.positions < self.sinks
+        n = held.positions.shape[-1]
+        protected |= torch.arange(n, device=priority.device) >= n - self.recent
+        return priority.masked_fill(protected, float("inf"))
+
+
+def _snapkv(budget: int, window: int | None, pool: int | None) -> ObservationWindow:
+    window = 32 if window is None else window
+    pool = 7 if pool is None else pool
+    if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= budget:
+        raise ValueError(f"kv_window must be an integer in [1, kv_budget = {budget}], got {window!r}")
+    if not isinstance(pool, int) or isinstance(pool, bool) or pool < 1 or pool % 2 == 0:
+        raise ValueError(f"kv_pool must be an odd integer >= 1 (a centred kernel), got {pool!r}")
+    return ObservationWindow(window, pool)
+
+
+def make_method(name: str, schedule: str | None, budget: int, evict_every: int, block_size: int, *,
+                sinks: int | None = None, recent: int | None = None, window: int | None = None,
+                pool: int | None = None) -> KVMethod:
+    """The method for a request, or a ValueError naming what is wrong with its settings.
+    None for schedule, sinks, recent, window or pool takes the ranking's default."""
+    if name not in METHODS:
+        raise ValueError(f"unknown kv_method {name!r}; use one of {', '.join(METHODS)}")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"unknown kv_schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if name != "snapkv":
+        for field, value in (("kv_window", window), ("kv_pool", pool)):
+            if value is not None:
+                raise ValueError(f"{field} is a setting of snapkv only; it must be None for {name}, got {value!r}")
+    if name in ("full", "ed"):
+        fixed = "never evicts" if name == "full" else "has its own schedule (Algorithm 2)"
+        for field, value in (("kv_schedule", schedule), ("kv_sinks", sinks), ("kv_recent", recent)):
+            if value is not None:
+                raise ValueError(f"kv_method {name} {fixed}: {field} must be None, got {value!r}")
+    if name == "full":
+        return KVMethod()
+    if not isinstance(budget, int) or not isinstance(evict_every, int) or evict_every < 1:
+        raise ValueError(f"kv_budget and evict_every must be integers (evict_every >= 1), "
+                     f"got {budget!r} and {evict_every!r}")
+    if name == "ed":
+        if budget < 2:
+            raise ValueError(f"kv_budget for ed must be >= 2, got {budget}")
+        return KVMethod(ExtremeDecoding(budget, evict_every), Recency(), name="ed")
+    if name == "decode_only":
+        if schedule not in (None, "decode"):
+            raise ValueError(f"kv_method decode_only is batchmax under the decode schedule: kv_schedule must be "
+                         f"None or 'decode', got {schedule!r}")
+        ranking, schedule = AverageAttention(), "decode"
+    else:
+        ranking = _snapkv(budget, window, pool) if name == "snapkv" else RANKINGS[name]()
+        schedule = schedule or ranking.default_schedule
+    if schedule == "once":
+        if budget < 1:
+            raise ValueError(f"kv_budget for {name} must be >= 1, got {budget}")
+        room = budget - 1
+        limit = f"less than kv_budget = {budget}"
+    else:   # evicts p pairs at a time from |kv| pairs
+        if budget < 2 * evict_every or budget % block_size:
+            raise ValueError(f"kv_budget for {name} must be at least 2 * evict_every = {2 * evict_every} and a "
+                         f"multiple of the block size {block_size}, got {budget}")
+        room = budget - evict_every
+        limit = f"at most kv_budget - evict_every = {room}"
+    sinks = ranking.default_sinks if sinks is None else sinks
+    recent = ranking.default_recent(budget) if recent is None else recent
+    for field, value in (("kv_sinks", sinks), ("kv_recent", recent)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{field} must be an integer >= 0, got {value!r}")
+    if name == "snapkv":
+        recent = max(recent, ranking.window)   # the window's own pairs are kept
+    if sinks + recent > room:
+        raise ValueError(f"kv_sinks + kv_recent = {sinks} + {recent} leaves {name} nothing to evict under the "
+                     f"{schedule} schedule: it must be {limit}")
+    return KVMethod(SCHEDULES[schedule](budget, evict_every), ranking, sinks, recent, name)

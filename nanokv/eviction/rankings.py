@@ -1,0 +1,114 @@
+"""Rankings: which pairs of one (layer, KV head) are worth keeping.
+
+A ranking turns what a sequence holds (HeldPairs, read from the cache at
+eviction time) into a keep priority per pair: the lowest go first. It knows
+nothing of when eviction happens (nanokv/eviction/schedules.py) nor of the
+protected sinks and recent pairs (nanokv/eviction/__init__.py applies those).
+Scores are summed over the query heads of a KV head's group by the attention
+kernels (kernels/key_scores.py, kernels/decode_attention.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class HeldPairs:
+    """The pairs of S sequences that evict together, each [S, L, H, n] in slot (= position) order."""
+    positions: torch.Tensor            # original positions (int32)
+    scores: torch.Tensor               # attention probabilities accumulated (windowed: in the window), fp32
+    current: torch.Tensor              # [S, 1, 1, 1]: position of each sequence's last query processed
+    keys: Callable[[], torch.Tensor]   # -> [S, L, H, n, D]: read only for a ranking that asks
+
+
+class Ranking:
+    name = ""
+    needs_scores = False           # attention must accumulate per-slot scores for it
+    window: int | None = None      # scores count only the last `window` queries before an eviction
+    default_schedule = "prefill"
+    default_sinks = 0
+
+    def default_recent(self, budget: int) -> int:
+        return 0
+
+    def keep_priority(self, held: HeldPairs) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class AverageAttention(Ranking):
+    """Batch-Max, Section 3.2: the summed probabilities over the number of queries
+    that could see the key (current + 1 - its position)."""
+    name = "batchmax"
+    needs_scores = True
+
+    def keep_priority(self, held):
+        return held.scores / (held.current + 1 - held.positions).float()
+
+
+class AccumulatedAttention(Ranking):
+    """H2O's heavy hitters: the probabilities summed over every query so far;
+    half the budget goes to the most recent pairs."""
+    name = "h2o"
+    needs_scores = True
+    default_schedule = "decode"
+
+    def default_recent(self, budget):
+        return budget // 2
+
+    def keep_priority(self, held):
+        return held.scores
+
+
+class Recency(Ranking):
+    """StreamingLLM: the attention sinks (the first 4 positions) and the most recent pairs."""
+    name = "streamingllm"
+    default_sinks = 4
+
+    def keep_priority(self, held):
+        return held.positions.float()
+
+
+class KeyNorm(Ranking):
+    """K-norm: the keys with the lowest L2 norm draw the most attention, so they stay."""
+    name = "knorm"
+    default_schedule = "once"
+
+    def keep_priority(self, held):
+        keys = held.keys()
+        return -keys.to(torch.promote_types(keys.dtype, torch.float32)).norm(dim=-1)
+
+
+class LastQuery(Ranking):
+    """TOVA: the attention given by the most recent query alone (a window of one)."""
+    name = "tova"
+    needs_scores = True
+    window = 1
+    default_schedule = "decode"
+
+    def keep_priority(self, held):
+        return held.scores
+
+
+class ObservationWindow(Ranking):
+    """SnapKV: attention summed over the last `window` queries before the eviction,
+    max-pooled over `pool` neighbouring slots so that a kept key keeps its neighbours.
+    The window's own pairs are kept (make_method protects them)."""
+    name = "snapkv"
+    needs_scores = True
+    default_schedule = "once"
+
+    def __init__(self, window: int = 32, pool: int = 7):
+        self.window, self.pool = window, pool
+
+    def keep_priority(self, held):
+        scores = held.scores
+        pooled = torch.nn.functional.max_pool1d(scores.reshape(-1, 1, scores.shape[-1]), self.pool, stride=1,
+                                                padding=self.pool // 2)
+        return pooled.view_as(scores)
+
+
+RANKINGS = {r.name: r for r in (AverageAttention, AccumulatedAttention, LastQuery, ObservationWindow,
+                                Recency, KeyNorm)}
