@@ -277,5 +277,5 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         part_out, part_lse, out, lse, logits, score_cache, block_tables, context_lens, score_from, num_splits,
         *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), lse.stride(0),
         *logits.stride()[:2], *score_cache.stride()[:2], *table_strides,
-        G_PAD=triton.next_power_of_2(G), RETURN_LSE=return_lse, SCORES=scores, **common)
+        G_PAD=triton.next_power_of_2(G), RETURN_LSE=return_lse, SCORES=scores, num_warps=num_warps, **common)
     return (out, lse) if return_lse else out

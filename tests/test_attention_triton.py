@@ -363,12 +363,16 @@ def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
     monkeypatch.setattr(kernels, "paged_decode_attention_triton",
                         lambda q, *args, **kw: launched.append(q.shape[0]) or real_decode(q, *args, **kw))
     results = {}
-    for backend in ("torch", "triton"):
-        monkeypatch.setattr(kernels, "TRITON", backend == "triton")
-        scores = torch.zeros(k_cache.shape[:3])
-        out = kernels.paged_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
-                                      max_query_len=45, max_context_len=64, num_decodes=3, score_cache=scores)
-        results[backend] = out, scores
+    before = kernels.BACKEND
+    try:
+        for backend in ("torch", "triton"):
+            kernels.set_backend(backend)
+            scores = torch.zeros(k_cache.shape[:3])
+            out = kernels.paged_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
+                                          max_query_len=45, max_context_len=64, num_decodes=3, score_cache=scores)
+            results[backend] = out, scores
+    finally:
+        kernels.set_backend(before)
     assert launched == [3]
     assert_close(results["triton"][0], results["torch"][0], TOL[torch.float32][0], "out")
     assert_close(results["triton"][1], results["torch"][1], SCORE_TOL[torch.float32], "scores")
