@@ -55,6 +55,7 @@ from tqdm import tqdm
 from models.shapes import SHAPES
 from nanokv import LLM, SamplingParams
 from nanokv.bench_hf import bench_vs_hf
+from nanokv.eviction import METHODS
 from nanokv.kv_cache import KVCache
 from nanokv.runner import Timings
 
@@ -78,7 +79,7 @@ MODE_DEFAULTS = {
 # ----- what runs -------------------------------------------------------------------------
 
 class Method(NamedTuple):
-    name: str            # a kv_method: full, batchmax, decode_only, ed
+    name: str            # a kv_method (nanokv/eviction: full, batchmax, h2o, ..., decode_only, ed)
     budget: int | None   # |kv|; None for full
 
     @property
@@ -435,8 +436,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(paper, sweep), the engine's own in workload mode")
     p.add_argument("--input-len", type=int)
     p.add_argument("--output-len", type=int)
-    p.add_argument("--methods", nargs="+", choices=["full", "batchmax", "decode_only", "ed"])
-    p.add_argument("--budgets", type=int, nargs="+", default=[1024, 512], help="|kv| of batchmax, decode_only")
+    p.add_argument("--methods", nargs="+", choices=METHODS, help="kv_methods, each under its default schedule")
+    p.add_argument("--budgets", type=int, nargs="+", default=[1024, 512], help="|kv| of every method but ed")
     p.add_argument("--ed-budgets", type=int, nargs="+", default=[2, 65], help="|kv| of ed")
     p.add_argument("--evict-every", type=int, default=64, help="p, pairs evicted at a time")
     p.add_argument("--max-batch", type=int, default=128, help="paper: the largest static batch tried")

@@ -45,6 +45,7 @@ from typing import NamedTuple
 import torch
 
 from nanokv import LLM, SamplingParams
+from nanokv.eviction import METHODS
 
 FULL = "full"
 TARGET_FRACTION = 0.25      # the target: a budget of 25% of the document ...
@@ -289,7 +290,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024],
                         help="KV budgets (pairs per KV head) for every method")
     parser.add_argument("--methods", nargs="+", default=["batchmax", "ed"],
-                        choices=["batchmax", "ed", "decode_only"], help="methods compared with the full cache")
+                        choices=[m for m in METHODS if m != FULL],
+                        help="methods compared with the full cache, each under its default schedule")
     parser.add_argument("--evict-every", type=int, default=64, help="p: pairs evicted at a time")
     parser.add_argument("--cont-prompt", type=int, default=2048,
                         help="prompt tokens (the start of each document) for the greedy continuation")
