@@ -77,7 +77,7 @@ def decode_workspace_for(max_num_seqs: int, num_heads: int, num_kv_heads: int, h
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *,
                     max_query_len: int, max_context_len: int, num_decodes: int = 0,
-                    score_cache=None, score_from=None, logits=None, workspace=None):
+                    score_cache=None, score_from=None, logits=None, workspace=None, cpu_plan=None):
     """Attention of q [T, Hq, D] over the paged cache (semantics: kernels/attention.py).
 
     With score_cache, also add to it, for every key, the softmax probability each query
@@ -87,11 +87,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     needs a device sync to size its grid. The first num_decodes sequences have one
     query each (the runner orders them first): they go to flash-decoding, the rest
     to the prefill kernel. logits and workspace: flash-decoding's scratch
-    (kernels/decode_attention.py), allocated per call if None.
+    (kernels/decode_attention.py), allocated per call if None; cpu_plan: the CPU
+    backend's per-step plan (kernels/attention_cpu.py), built per call if None.
     """
     if BACKEND == "cpu":
         return paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                                   score_cache=score_cache, score_from=score_from)
+                                   score_cache=score_cache, score_from=score_from, plan=cpu_plan)
     want_lse = score_cache is not None
     if not TRITON:
         result = paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,

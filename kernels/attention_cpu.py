@@ -3,8 +3,8 @@
 
 - Each layer gathers its sequences' K and V out of the pool with one
   index_select per tensor; the gather indices, the masks and the score slots
-  depend only on the step's metadata, so they are built once per step (a
-  `StepPlan`) and reused by every layer.
+  depend only on the step's metadata, so the runner builds them once per step
+  (a `StepPlan`, in AttentionMetadata) and every layer reuses them.
 - Without eviction scores the attention itself is torch's fused flash
   attention for the CPU (GQA without copies). A prefill chunk that follows
   earlier context is causal with an offset, which SDPA's is_causal (aligned
@@ -89,20 +89,6 @@ def make_plan(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_le
     return StepPlan(decodes, prefills)
 
 
-_last_step: tuple = ()
-
-
-def plan_for(block_tables, cu_seqlens_q, context_lens, *shape) -> StepPlan:
-    """The step's plan: built by the first layer, reused by the others. Keyed by the metadata's
-    values, not by the tensors' identity: a caller may refill the same buffers in place
-    (CUDA-graph style), and equal metadata means an equal plan."""
-    global _last_step
-    tensors = (block_tables, cu_seqlens_q, context_lens)
-    if not (_last_step and _last_step[1] == shape and all(torch.equal(a, b) for a, b in zip(_last_step[0], tensors))):
-        _last_step = (tuple(t.clone() for t in tensors), shape, make_plan(*tensors, *shape))
-    return _last_step[2]
-
-
 def _gather(cache: torch.Tensor, pool_rows: torch.Tensor) -> torch.Tensor:
     """[num_blocks, Hkv, bs, D] -> [S, Hkv, L, D], contiguous, in one copy."""
     D = cache.shape[-1]   # named, not -1: a padded step may gather nothing
@@ -156,13 +142,15 @@ def _counted(score_from: torch.Tensor | None, seqs: torch.Tensor, first_query: i
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                         scale: float, score_cache: torch.Tensor | None = None,
-                        score_from: torch.Tensor | None = None) -> torch.Tensor:
+                        score_from: torch.Tensor | None = None, plan: StepPlan | None = None) -> torch.Tensor:
     """paged_attention_ref's output for q [T, Hq, D]; with score_cache, also
-    accumulate_key_scores_ref's update of it, score_from included (both up to float rounding)."""
+    accumulate_key_scores_ref's update of it, score_from included (both up to float rounding).
+    plan: make_plan() of this step's metadata, shared by the layers (None: built here)."""
     T, Hq, D = q.shape
     Hkv, bs = k_cache.shape[1:3]
     G = Hq // Hkv
-    plan = plan_for(block_tables, cu_seqlens_q, context_lens, Hkv, bs, q.dtype, score_cache is not None)
+    if plan is None:
+        plan = make_plan(block_tables, cu_seqlens_q, context_lens, Hkv, bs, q.dtype, score_cache is not None)
     out = torch.empty_like(q) if plan.prefills else None
     if plan.decodes is not None:
         c = plan.decodes

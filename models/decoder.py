@@ -66,7 +66,8 @@ class Attention(nn.Module):
                                       max_context_len=meta.max_context_len, num_decodes=meta.num_decodes,
                                       score_cache=layer.scores if meta.accumulate_scores else None,
                                       score_from=meta.score_from,
-                                      logits=layer.logits, workspace=meta.decode_workspace)
+                                      logits=layer.logits, workspace=meta.decode_workspace,
+                                      cpu_plan=meta.cpu_plan)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

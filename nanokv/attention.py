@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from kernels.attention_cpu import StepPlan
     from kernels.decode_attention import DecodeWorkspace
 
 
@@ -28,3 +29,4 @@ class AttentionMetadata:
     accumulate_scores: bool = False  # add each key's attention probabilities to its slot's score
     score_from: torch.Tensor | None = None  # [B] int32: only queries from this index of a chunk add (None: all)
     decode_workspace: DecodeWorkspace | None = None  # flash-decoding's scratch, allocated once (None: per call)
+    cpu_plan: StepPlan | None = None   # the CPU backend's gathers and masks for this step, shared by the layers

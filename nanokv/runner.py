@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.attention_cpu import make_plan
 from nanokv.attention import AttentionMetadata
 import kernels
 from models import Decoder
@@ -152,6 +153,11 @@ class ModelRunner:
             num_decodes=batch.num_new_tokens.count(1),
             accumulate_scores=any(seq.method.needs_scores for seq in batch.seqs),
             score_from=tensor(score_from, torch.int32), decode_workspace=self.decode_workspace)
+        if kernels.BACKEND == "cpu":   # the gathers and masks every layer shares, built once
+            meta = step.meta
+            meta.cpu_plan = make_plan(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                      self.kv_cache.k.shape[2], self.block_size, self.kv_cache.k.dtype,
+                                      meta.accumulate_scores)
         return step
 
     @torch.inference_mode()

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from test_batchmax_oracle import BLOCK, LayerKV, build, differences, engine
+from test_batchmax_oracle import BLOCK, LayerKV, differences, engine, gqa, model  # noqa: F401 (fixtures)
 
 def prompt(length: int, seed: int) -> list[int]:
     """Random distinct byte tokens. K-norm ranks keys by their norm, and equal tokens have
@@ -164,16 +164,6 @@ def check_against_oracle(llm, oracle, cases: list[dict], seed: int = 0) -> list:
         problems += differences(label(c), out, tokens, kept)
     assert not problems, "\n".join(problems)
     return outs
-
-
-@pytest.fixture(scope="module", params=["gqa", "mha"])
-def model(request, tmp_path_factory):
-    return build(request.param, tmp_path_factory.mktemp(request.param))
-
-
-@pytest.fixture(scope="module")
-def gqa(tmp_path_factory):
-    return build("gqa", tmp_path_factory.mktemp("gqa"))
 
 
 # Prompt lengths around the budget (32) and the block boundaries (16), each ranking under each
