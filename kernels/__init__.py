@@ -77,7 +77,8 @@ def decode_workspace_for(max_num_seqs: int, num_heads: int, num_kv_heads: int, h
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *,
                     max_query_len: int, max_context_len: int, num_decodes: int = 0,
-                    score_cache=None, score_from=None, logits=None, workspace=None, cpu_plan=None):
+                    score_cache=None, score_from=None, logits=None, workspace=None, cpu_plan=None,
+                    kv_scales=None):
     """Attention of q [T, Hq, D] over the paged cache (semantics: kernels/attention.py).
 
     With score_cache, also add to it, for every key, the softmax probability each query
@@ -89,18 +90,20 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     to the prefill kernel. logits and workspace: flash-decoding's scratch
     (kernels/decode_attention.py), allocated per call if None; cpu_plan: the CPU
     backend's per-step plan (kernels/attention_cpu.py), built per call if None.
+    kv_scales: the scales of an int8 or fp8 cache (kernels/kv_store.py), None for an unquantized one.
     """
     if BACKEND == "cpu":
         return paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                                   score_cache=score_cache, score_from=score_from, plan=cpu_plan)
+                                   score_cache=score_cache, score_from=score_from, plan=cpu_plan,
+                                   kv_scales=kv_scales)
     want_lse = score_cache is not None
     if not TRITON:
         result = paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                                     return_lse=want_lse)
+                                     return_lse=want_lse, kv_scales=kv_scales)
         if want_lse:
             out, lse = result
             accumulate_key_scores_ref(q, k_cache, score_cache, block_tables, cu_seqlens_q, context_lens,
-                                      lse, scale, score_from)
+                                      lse, scale, score_from, kv_scales)
             return out
         return result
     out = torch.empty_like(q)
@@ -109,18 +112,20 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
         paged_decode_attention_triton(q[:num_decodes], k_cache, v_cache, block_tables[:num_decodes],
                                       context_lens[:num_decodes], scale, splits, score_cache=score_cache,
                                       logits=logits, workspace=workspace, out=out[:num_decodes],
-                                      score_from=None if score_from is None else score_from[:num_decodes])
+                                      score_from=None if score_from is None else score_from[:num_decodes],
+                                      kv_scales=kv_scales)
     if num_decodes == len(context_lens):
         return out
     # The chunks: their rows of q, out and lse are addressed through cu_seqlens_q.
     chunks = slice(num_decodes, None)
     cu_seqlens, tables, lens = cu_seqlens_q[chunks], block_tables[chunks], context_lens[chunks]
     result = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens, lens, scale, return_lse=want_lse,
-                                    max_query_len=max_query_len, out=out)
+                                    max_query_len=max_query_len, out=out, kv_scales=kv_scales)
     if want_lse:
         accumulate_key_scores_triton(q, k_cache, score_cache, tables, cu_seqlens, lens, result[1], scale,
                                      None if score_from is None else score_from[chunks],
-                                     max_query_len=max_query_len, max_context_len=max_context_len)
+                                     max_query_len=max_query_len, max_context_len=max_context_len,
+                                     kv_scales=kv_scales)
     return out
 
 

@@ -6,17 +6,29 @@ flattened ("varlen"): sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+
 and its keys are the first context_lens[b] slots of its blocks, the last
 q_len of which are this step's own tokens. Query j of sequence b sees slots
 0 .. context_len - q_len + j (causal by slot, which equals causal by position
-because new tokens are always appended after the kept ones).
+because new tokens are always appended after the kept ones). A quantized
+cache is dequantized as it is gathered (kernels/kv_store.py).
 """
 import torch
 
+from kernels.kv_store import dequantize
+
 
 def _gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[num_blocks, Hkv, bs, D] paged through block_tables [B, nb] -> [B, Hkv, max_len, D]."""
+    """[num_blocks, Hkv, bs, ...] paged through block_tables [B, nb] -> [B, Hkv, max_len, ...]."""
     block_size = cache.shape[2]
     tables = block_tables[:, :-(-max_len // block_size)]
     pages = cache.index_select(0, tables.reshape(-1)).unflatten(0, tables.shape)  # [B, nb, Hkv, bs, D]
     return pages.transpose(1, 2).flatten(2, 3)[:, :, :max_len]
+
+
+def _gather_kv(k_cache, v_cache, kv_scales, block_tables, max_len: int):
+    """K and V of each sequence's first max_len slots, dequantized: [B, Hkv, max_len, D] each."""
+    if kv_scales is None:
+        return _gather_context(k_cache, block_tables, max_len), _gather_context(v_cache, block_tables, max_len)
+    scales = _gather_context(kv_scales, block_tables, max_len)
+    return (dequantize(_gather_context(k_cache, block_tables, max_len), scales[..., 0]),
+            dequantize(_gather_context(v_cache, block_tables, max_len), scales[..., 1]))
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float):
@@ -28,24 +40,22 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Te
     return out, scores.logsumexp(dim=-1).permute(0, 3, 1, 2)
 
 
-def _decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+def _decode(q, k_cache, v_cache, kv_scales, block_tables, context_lens, scale):
     """One query per sequence: all sequences at once, padded to the longest context."""
     B, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     max_len = int(context_lens.max())
-    k = _gather_context(k_cache, block_tables, max_len)
-    v = _gather_context(v_cache, block_tables, max_len)
+    k, v = _gather_kv(k_cache, v_cache, kv_scales, block_tables, max_len)
     visible = torch.arange(max_len, device=q.device)[None, None, :] < context_lens[:, None, None]
     out, lse = _attend(q.view(B, 1, Hkv, Hq // Hkv, D), k, v, visible, scale)
     return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
 
 
-def _prefill(q, k_cache, v_cache, block_table, context_len: int, scale):
+def _prefill(q, k_cache, v_cache, kv_scales, block_table, context_len: int, scale):
     """One sequence's chunk of n queries, causal over its context."""
     n, Hq, D = q.shape
     Hkv = k_cache.shape[1]
-    k = _gather_context(k_cache, block_table[None], context_len)
-    v = _gather_context(v_cache, block_table[None], context_len)
+    k, v = _gather_kv(k_cache, v_cache, kv_scales, block_table[None], context_len)
     query_slot = context_len - n + torch.arange(n, device=q.device)
     visible = torch.arange(context_len, device=q.device)[None, :] <= query_slot[:, None]
     out, lse = _attend(q.view(1, n, Hkv, Hq // Hkv, D), k, v, visible[None], scale)
@@ -54,9 +64,11 @@ def _prefill(q, k_cache, v_cache, block_table, context_len: int, scale):
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        context_lens: torch.Tensor, scale: float, return_lse: bool = False):
+                        context_lens: torch.Tensor, scale: float, return_lse: bool = False,
+                        kv_scales: torch.Tensor | None = None):
     """q [T, Hq, D] -> out [T, Hq, D] (and, if asked, lse [T, Hq] fp32: the natural
     log of each query's softmax denominator, which key scores are computed from).
+    kv_scales: the scales of a quantized cache, None for an unquantized one.
 
     Decode rows (one query each) are computed together as one padded batch;
     each longer chunk on its own, so one long prefill never makes every
@@ -64,17 +76,17 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     if q.shape[0] == q_lens.shape[0]:   # a pure decode step
-        out, lse = _decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        out, lse = _decode(q, k_cache, v_cache, kv_scales, block_tables, context_lens, scale)
         return (out, lse) if return_lse else out
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     decodes = (q_lens == 1).nonzero().flatten()
     if len(decodes):
         rows = cu_seqlens_q[decodes].long()
-        out[rows], lse[rows] = _decode(q[rows], k_cache, v_cache, block_tables[decodes],
+        out[rows], lse[rows] = _decode(q[rows], k_cache, v_cache, kv_scales, block_tables[decodes],
                                        context_lens[decodes], scale)
     for b in (q_lens > 1).nonzero().flatten().tolist():
         start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        out[start:end], lse[start:end] = _prefill(q[start:end], k_cache, v_cache, block_tables[b],
+        out[start:end], lse[start:end] = _prefill(q[start:end], k_cache, v_cache, kv_scales, block_tables[b],
                                                   int(context_lens[b]), scale)
     return (out, lse) if return_lse else out

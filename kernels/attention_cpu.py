@@ -14,6 +14,8 @@
 - With eviction scores (meta.accumulate_scores) the probabilities are needed
   anyway, so they are computed explicitly once and serve both the output and
   the scores: no log-sum-exp, no second pass over the keys.
+- A quantized cache is dequantized as it is gathered, with its scales gathered
+  by the same rows (kernels/kv_store.py).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels.kv_store import dequantize
 
 QUERY_TILE = 512   # prefill rows scored at a time: bounds the [heads, rows, context] probabilities
 
@@ -95,6 +99,15 @@ def _gather(cache: torch.Tensor, pool_rows: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, D).index_select(0, pool_rows.view(-1)).view(*pool_rows.shape, D)
 
 
+def _gather_kv(k_cache, v_cache, kv_scales, pool_rows, dtype):
+    """K and V [S, Hkv, L, D] in dtype (q's), dequantized if the cache is quantized."""
+    if kv_scales is None:
+        return _gather(k_cache, pool_rows), _gather(v_cache, pool_rows)
+    scales = _gather(kv_scales, pool_rows)
+    return (dequantize(_gather(k_cache, pool_rows), scales[..., 0]).to(dtype),
+            dequantize(_gather(v_cache, pool_rows), scales[..., 1]).to(dtype))
+
+
 def _add_scores(score_cache: torch.Tensor, blocks: torch.Tensor, probs_sum: torch.Tensor) -> None:
     """score_cache [num_blocks, Hkv, bs] += probs_sum [S, Hkv, L] at the sequences' slots.
     Accumulating: padded block tables repeat block 0, and those slots receive zeros."""
@@ -142,10 +155,12 @@ def _counted(score_from: torch.Tensor | None, seqs: torch.Tensor, first_query: i
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                         scale: float, score_cache: torch.Tensor | None = None,
-                        score_from: torch.Tensor | None = None, plan: StepPlan | None = None) -> torch.Tensor:
+                        score_from: torch.Tensor | None = None, plan: StepPlan | None = None,
+                        kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention_ref's output for q [T, Hq, D]; with score_cache, also
     accumulate_key_scores_ref's update of it, score_from included (both up to float rounding).
-    plan: make_plan() of this step's metadata, shared by the layers (None: built here)."""
+    plan: make_plan() of this step's metadata, shared by the layers (None: built here).
+    kv_scales: a quantized cache's scales."""
     T, Hq, D = q.shape
     Hkv, bs = k_cache.shape[1:3]
     G = Hq // Hkv
@@ -155,7 +170,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if plan.decodes is not None:
         c = plan.decodes
         S = c.pool_rows.shape[0]
-        k, v = _gather(k_cache, c.pool_rows), _gather(v_cache, c.pool_rows)
+        k, v = _gather_kv(k_cache, v_cache, kv_scales, c.pool_rows, q.dtype)
         q_d = q[c.rows].view(S, Hkv, G, D)   # a decode's G heads are G queries of its KV head
         if score_cache is None:
             o = F.scaled_dot_product_attention(q_d, k, v, attn_mask=c.mask, scale=scale)
@@ -167,7 +182,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             return o.reshape(T, Hq, D)
         out[c.rows] = o.reshape(S, Hq, D)
     for c in plan.prefills:
-        k, v = _gather(k_cache, c.pool_rows), _gather(v_cache, c.pool_rows)
+        k, v = _gather_kv(k_cache, v_cache, kv_scales, c.pool_rows, q.dtype)
         q_p = q[c.rows].transpose(0, 1)[None]                                # [1, Hq, n, D]
         if score_cache is None:
             out[c.rows] = _chunk_attention(q_p, k, v, scale)[0].transpose(0, 1)

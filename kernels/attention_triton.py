@@ -35,6 +35,12 @@ Ideas shared by the kernels:
   tensor cores as they are; fp32 operands use "ieee" precision (TF32 would
   be off by ~3e-4). Triton's interpreter multiplies bf16 operands wrongly, so
   there (only there) bf16 tiles are upcast to fp32 before tl.dot.
+* Quantized caches (int8, fp8; kernels/kv_store.py). K and V tiles are loaded
+  in 8 bits and converted in registers to q's dtype (exact: int8 and e4m3
+  values are bf16/fp16 values); the scales fold into the softmax instead of
+  the tiles: a key's scale multiplies its column of scores, a value's scale its
+  column of probabilities before they meet V. With an unquantized cache the
+  scales are constant ones, which the compiler folds away.
 """
 from __future__ import annotations
 
@@ -44,6 +50,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_store import QUANT_MAX
 
 LOG2E = math.log2(math.e)
 LN2 = tl.constexpr(math.log(2.0))    # turns the kernels' log2-sum-exps into natural logs
@@ -83,11 +91,19 @@ def _block_table_strides(block_tables: torch.Tensor, num_kv_heads: int) -> tuple
     return block_tables.stride(0), block_tables.stride(1)
 
 
-def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype == q.dtype
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 kv_scales: torch.Tensor | None) -> torch.Tensor:
+    """Check the cache against q; returns the scales the kernels read (a stand-in when unquantized)."""
+    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
+    assert k_cache.dtype == q.dtype or k_cache.dtype in QUANT_MAX, (k_cache.dtype, q.dtype)
+    assert (kv_scales is not None) == (k_cache.dtype in QUANT_MAX), "a quantized cache, and only one, has scales"
     assert q.shape[-2] % k_cache.shape[1] == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1, "head_dim must be contiguous"
     assert k_cache.shape[2] % 16 == 0, "cache block size must be a multiple of 16"
+    if kv_scales is None:
+        return torch.zeros((), device=q.device).expand(1, 1, 1, 2)   # never read
+    assert kv_scales.shape == (*k_cache.shape[:3], 2) and kv_scales.stride(3) == 1, kv_scales.shape
+    return kv_scales
 
 
 # ----------------------------------------------------------------------------
@@ -108,9 +124,10 @@ def _block_numbers(table_ptr, slots, valid, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def _load_kv_tile(k_ptr, v_ptr, blocks, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE: tl.constexpr,
-                  stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, UPCAST: tl.constexpr):
+                  stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, dtype: tl.constexpr):
     """The K and V rows [BLOCK_N, HEAD_DIM_PAD] of the given slots of one KV head, which
-    live in `blocks` (zeros where a slot or a dimension is not valid).
+    live in `blocks` (zeros where a slot or a dimension is not valid), converted to `dtype`
+    (q's: this upcasts under the interpreter and turns 8-bit values into 16-bit ones).
 
     The loops that call this look up the *next* tile's blocks while the current
     tile is being processed (software prefetch of the table): a K/V address that
@@ -124,16 +141,27 @@ def _load_kv_tile(k_ptr, v_ptr, blocks, slots, slot_valid, kv_head, dims, dim_va
     v_rows = blocks * stride_vb + kv_head * stride_vh + offset * stride_vs
     k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    if UPCAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
-    return k, v
+    return k.to(dtype), v.to(dtype)
 
 
 @triton.jit
-def _online_softmax_step(acc, m, l, s, v, DOT_PRECISION: tl.constexpr):
+def _load_kv_scales(scales_ptr, blocks, slots, slot_valid, kv_head, BLOCK_SIZE: tl.constexpr,
+                    stride_b, stride_h, stride_s, QUANTIZED: tl.constexpr):
+    """The K and V scales [BLOCK_N] of the given slots (kernels/kv_store.py); constant ones
+    for an unquantized cache, so that multiplying by them costs nothing."""
+    if QUANTIZED:
+        at = scales_ptr + blocks * stride_b + kv_head * stride_h + (slots % BLOCK_SIZE) * stride_s
+        return tl.load(at, mask=slot_valid, other=0.0), tl.load(at + 1, mask=slot_valid, other=0.0)
+    ones = tl.full(slots.shape, 1.0, tl.float32)
+    return ones, ones
+
+
+@triton.jit
+def _online_softmax_step(acc, m, l, s, v, v_scale, DOT_PRECISION: tl.constexpr):
     """Fold one key tile into the running softmax of each query row.
 
-    s [M, N]: scores in log2 units, -inf where masked; v [N, D]: the tile's values.
+    s [M, N]: scores in log2 units, -inf where masked; v [N, D]: the tile's values,
+    each row to be multiplied by its v_scale [N].
     Callers guarantee each row has a finite score by its first tile, so the
     running max is finite and exp2(-inf - m) = 0 removes masked keys.
     """
@@ -141,7 +169,7 @@ def _online_softmax_step(acc, m, l, s, v, DOT_PRECISION: tl.constexpr):
     alpha = tl.exp2(m - m_new)            # rescales what was accumulated under the old max
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l
 
 
@@ -151,13 +179,13 @@ def _online_softmax_step(acc, m, l, s, v, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, table_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+        q_ptr, k_ptr, v_ptr, scales_ptr, out_ptr, lse_ptr, table_ptr, cu_seqlens_q_ptr, context_lens_ptr,
         qk_scale,                                     # softmax scale * log2(e)
         stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        stride_ot, stride_oh, stride_lt, stride_table_b, stride_table_h,
+        stride_qsb, stride_qsh, stride_qss, stride_ot, stride_oh, stride_lt, stride_table_b, stride_table_h,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, RETURN_LSE: tl.constexpr):
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, RETURN_LSE: tl.constexpr, QUANTIZED: tl.constexpr):
     """One program: BLOCK_Q query tokens of one sequence x the G query heads of one KV head.
 
     Grid (B, cdiv(max_query_len, BLOCK_Q), Hkv); programs past the end of
@@ -198,12 +226,14 @@ def _paged_attention_kernel(
         slots = n + tl.arange(0, BLOCK_N)
         slot_valid = slots < kv_end
         k, v = _load_kv_tile(k_ptr, v_ptr, blocks, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE,
-                             stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, UPCAST)
+                             stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, q.dtype)
+        k_scale, v_scale = _load_kv_scales(scales_ptr, blocks, slots, slot_valid, kv_head, BLOCK_SIZE,
+                                           stride_qsb, stride_qsh, stride_qss, QUANTIZED)
         blocks = _block_numbers(table, slots + BLOCK_N, slots + BLOCK_N < kv_end, BLOCK_SIZE)   # prefetch
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (qk_scale * k_scale)[None, :]
         visible = slots[None, :] <= (prior + token)[:, None]    # causal by slot; implies slot < kv_end
         s = tl.where(visible, s, float("-inf"))
-        acc, m, l = _online_softmax_step(acc, m, l, s, v, DOT_PRECISION)
+        acc, m, l = _online_softmax_step(acc, m, l, s, v, v_scale, DOT_PRECISION)
 
     out = acc / l[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -231,7 +261,8 @@ def prefill_tiles(dtype: torch.dtype, max_query_len: int, group: int) -> tuple[i
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, return_lse: bool = False,
-                           max_query_len: int | None = None, out: torch.Tensor | None = None):
+                           max_query_len: int | None = None, out: torch.Tensor | None = None,
+                           kv_scales: torch.Tensor | None = None):
     """Same contract as paged_attention_ref: q [T, Hq, D] -> out [T, Hq, D] in q's
     dtype, and with return_lse also lse [T, Hq] fp32 (natural log of each
     query's softmax denominator).
@@ -242,9 +273,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out: where to write, else a new tensor. Only the rows of the B sequences are
     written, so a caller may hand this kernel some sequences of a batch
     (cu_seqlens_q and the tables sliced, q and out whole) and the others to
-    flash-decoding.
+    flash-decoding. kv_scales: the scales of a quantized cache (kernels/kv_store.py).
     """
-    _check_cache(q, k_cache, v_cache)
+    scales = _check_cache(q, k_cache, v_cache, kv_scales)
     T, Hq, D = q.shape
     Hkv, block_size = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -259,10 +290,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         upcast, precision = _dot_config(q.dtype)
         grid = (B, triton.cdiv(max_query_len, block_q), Hkv)
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, out, lse, block_tables, cu_seqlens_q, context_lens, scale * LOG2E,
-            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+            q, k_cache, v_cache, scales, out, lse, block_tables, cu_seqlens_q, context_lens, scale * LOG2E,
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *scales.stride()[:3],
             out.stride(0), out.stride(1), lse.stride(0), *_block_table_strides(block_tables, Hkv),
             HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
             G=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-            UPCAST=upcast, DOT_PRECISION=precision, RETURN_LSE=return_lse, num_warps=num_warps)
+            UPCAST=upcast, DOT_PRECISION=precision, RETURN_LSE=return_lse, QUANTIZED=kv_scales is not None,
+            num_warps=num_warps)
     return (out, lse) if return_lse else out

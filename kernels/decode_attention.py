@@ -2,7 +2,8 @@
 cut into splits processed in parallel and merged by their log-sum-exps.
 
 The building blocks (per-slot block lookup, GQA packing, base-2 online
-softmax, per-head block tables) are those of kernels/attention_triton.py.
+softmax, per-head block tables, quantized caches) are those of
+kernels/attention_triton.py.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_triton import (LOG2E, LN2, MIN_BLOCK_M, _block_numbers, _block_table_strides, _check_cache,
-                                      _dot_config, _load_kv_tile, _online_softmax_step, kv_tile)
+                                      _dot_config, _load_kv_scales, _load_kv_tile, _online_softmax_step, kv_tile)
 
 MIN_SPLIT = 256   # slots: a shorter split costs more in merging than it gains in parallelism
 
@@ -76,14 +77,14 @@ def _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr, logits_ptr,
+        q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr, logits_ptr,
         qk_scale, num_splits,
         stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        stride_table_b, stride_table_h, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+        stride_qsb, stride_qsh, stride_qss, stride_table_b, stride_table_h, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
         stride_lgb, stride_lgh,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE_LOGITS: tl.constexpr):
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE_LOGITS: tl.constexpr, QUANTIZED: tl.constexpr):
     """One program: the G query heads of one KV head of one sequence, against
     one split of its context (_split_range).
 
@@ -114,16 +115,18 @@ def _decode_split_kernel(
         slots = n + tl.arange(0, BLOCK_N)
         slot_valid = slots < end
         k, v = _load_kv_tile(k_ptr, v_ptr, blocks, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE,
-                             stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, UPCAST)
+                             stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, q.dtype)
+        k_scale, v_scale = _load_kv_scales(scales_ptr, blocks, slots, slot_valid, kv_head, BLOCK_SIZE,
+                                           stride_qsb, stride_qsh, stride_qss, QUANTIZED)
         if SAVE_LOGITS:   # where the merge kernel, which knows the final lse, finds them: like the cache
             logits_slots = blocks * stride_lgb + slots % BLOCK_SIZE
         blocks = _block_numbers(table, slots + BLOCK_N, slots + BLOCK_N < end, BLOCK_SIZE)   # prefetch
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (qk_scale * k_scale)[None, :]
         s = tl.where(slot_valid[None, :], s, float("-inf"))
         if SAVE_LOGITS:
             tl.store(logits_ptr + logits_slots[None, :] + head[:, None] * stride_lgh, s,
                      mask=row_valid[:, None] & slot_valid[None, :])
-        acc, m, l = _online_softmax_step(acc, m, l, s, v, DOT_PRECISION)
+        acc, m, l = _online_softmax_step(acc, m, l, s, v, v_scale, DOT_PRECISION)
 
     empty = l == 0.0                                  # no slot in this split
     l = tl.where(empty, 1.0, l)
@@ -215,7 +218,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   num_splits: int, return_lse: bool = False,
                                   score_cache: torch.Tensor | None = None, logits: torch.Tensor | None = None,
                                   workspace: DecodeWorkspace | None = None, out: torch.Tensor | None = None,
-                                  score_from: torch.Tensor | None = None):
+                                  score_from: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None):
     """One query per sequence: q [B, Hq, D] -> out [B, Hq, D] (and lse [B, Hq]),
     as paged_attention_ref with cu_seqlens_q = arange(B + 1).
 
@@ -235,9 +238,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     workspace (decode_workspace()) and logits are allocated per call if None,
     which is fine eagerly; under CUDA graphs pass ones allocated before capture,
     shared by all layers and all captured batch sizes. out: where to write
-    (a [B, Hq, D] view), else a new tensor.
+    (a [B, Hq, D] view), else a new tensor. kv_scales: a quantized cache's (kernels/kv_store.py).
     """
-    _check_cache(q, k_cache, v_cache)
+    kv_scale_buffer = _check_cache(q, k_cache, v_cache, kv_scales)
     B, Hq, D = q.shape
     num_blocks, Hkv, block_size = k_cache.shape[:3]
     G = Hq // Hkv
@@ -267,12 +270,14 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     common = dict(HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
                   G=G, BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT)
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse, logits,
+        q, k_cache, v_cache, kv_scale_buffer, block_tables, context_lens, part_out, part_lse, logits,
         scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *table_strides,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *kv_scale_buffer.stride()[:3],
+        *table_strides,
         *part_out.stride()[:3], *part_lse.stride()[:2], *logits.stride()[:2],
         BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(G)),
-        UPCAST=upcast, DOT_PRECISION=precision, SAVE_LOGITS=scores, num_warps=num_warps, **common)
+        UPCAST=upcast, DOT_PRECISION=precision, SAVE_LOGITS=scores, QUANTIZED=kv_scales is not None,
+        num_warps=num_warps, **common)
     _decode_merge_kernel[(B, Hkv, num_splits)](
         part_out, part_lse, out, lse, logits, score_cache, block_tables, context_lens, score_from, num_splits,
         *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), lse.stride(0),

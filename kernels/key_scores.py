@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import _block_table_strides, _dot_config, kv_tile
+from kernels.attention_triton import _block_table_strides, _check_cache, _dot_config, _load_kv_scales, kv_tile
+from kernels.kv_store import dequantize
 
 
 def _per_head_tables(block_tables: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -41,14 +42,15 @@ def _per_head_tables(block_tables: torch.Tensor, num_kv_heads: int) -> torch.Ten
 def accumulate_key_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, score_cache: torch.Tensor,
                               block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                               context_lens: torch.Tensor, lse: torch.Tensor, scale: float,
-                              score_from: torch.Tensor | None = None) -> None:
+                              score_from: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None) -> None:
     """Add to score_cache [num_blocks, Hkv, bs] (fp32, in place) the attention
     probabilities that the queries q [T, Hq, D] gave each key of their context,
     summed over the queries and over the G = Hq / Hkv query heads of each KV head.
 
     lse [T, Hq] is each query's log softmax denominator, as returned by
     paged_attention_ref(..., return_lse=True). The oracle of
-    accumulate_key_scores_triton: one sequence at a time, in fp32.
+    accumulate_key_scores_triton: one sequence at a time, in fp32. kv_scales: a quantized
+    cache's (kernels/kv_store.py).
     """
     Hq, D = q.shape[1:]
     Hkv, block_size = k_cache.shape[1:3]
@@ -61,7 +63,8 @@ def accumulate_key_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, score_cach
         slots = torch.arange(context_len, device=q.device)
         blocks = tables[b][:, slots // block_size]                      # [Hkv, L]
         offsets = slots % block_size
-        k = k_cache[blocks, heads, offsets].float()                      # [Hkv, L, D]
+        k_scale = None if kv_scales is None else kv_scales[blocks, heads, offsets, 0]
+        k = dequantize(k_cache[blocks, heads, offsets], k_scale).float()  # [Hkv, L, D]
         q_b = q[start:end].float().view(n, Hkv, G, D)
         lse_b = lse[start:end].view(n, Hkv, G).permute(1, 2, 0)          # [Hkv, G, n]
         logits = torch.einsum("nhgd,hld->hgnl", q_b, k) * scale
@@ -76,15 +79,16 @@ def accumulate_key_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, score_cach
 
 @triton.jit
 def _accumulate_key_scores_kernel(
-        q_ptr, k_cache_ptr, score_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, lse_ptr,
-        score_from_ptr, scale,
+        q_ptr, k_cache_ptr, scales_ptr, score_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+        lse_ptr, score_from_ptr, scale,
         stride_q_t, stride_q_h,
-        stride_k_block, stride_k_head, stride_k_slot,
+        stride_k_block, stride_k_head, stride_k_slot, stride_qs_block, stride_qs_head, stride_qs_slot,
         stride_score_block, stride_score_head, stride_score_slot,
         stride_table_seq, stride_table_head,
         stride_lse_t, stride_lse_h,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_IN_FP32: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+        QUANTIZED: tl.constexpr):
     """One program: BLOCK_N key slots of one KV head of one sequence, scored by
     all the sequence's queries, BLOCK_Q tokens x G heads (= up to BLOCK_M rows) at a time.
 
@@ -116,8 +120,10 @@ def _accumulate_key_scores_kernel(
     k = tl.load(k_cache_ptr + blocks[:, None] * stride_k_block + kv_head * stride_k_head
                 + offsets[:, None] * stride_k_slot + dims[None, :],
                 mask=slot_mask[:, None] & dim_mask[None, :], other=0.0)
-    if DOT_IN_FP32:
-        k = k.to(tl.float32)
+    k = k.to(tl.float32 if DOT_IN_FP32 else q_ptr.dtype.element_ty)   # q's dtype: a quantized cache is 8-bit
+    # A quantized key's scale multiplies its logits (kernels/attention_triton.py); ones otherwise.
+    k_scale = _load_kv_scales(scales_ptr, blocks, slots, slot_mask, kv_head, BLOCK_SIZE,
+                              stride_qs_block, stride_qs_head, stride_qs_slot, QUANTIZED)[0]
 
     # Row m of a query tile is token m // G, query head kv_head * G + m % G
     # (vLLM's GQA packing); rows past BLOCK_Q * G are padding when G does not divide BLOCK_M.
@@ -137,7 +143,7 @@ def _accumulate_key_scores_kernel(
         lse = tl.load(lse_ptr + (q_start + queries) * stride_lse_t + q_heads * stride_lse_h,
                       mask=row_mask, other=0.0)
         # "ieee" keeps fp32 dots out of TF32; fp16/bf16 dots are exact products either way.
-        logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        logits = tl.dot(q, tl.trans(k), input_precision="ieee") * (scale * k_scale)[None, :]
         visible = (slots[None, :] <= prefix_len + queries[:, None]) & row_mask[:, None] & slot_mask[None, :]
         # tl.where, not a multiply: exp of a masked-out logit may overflow to inf.
         probs = tl.where(visible, tl.exp(logits - lse[:, None]), 0.0)
@@ -152,7 +158,8 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
                                  block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                  context_lens: torch.Tensor, lse: torch.Tensor, scale: float,
                                  score_from: torch.Tensor | None = None,
-                                 max_query_len: int | None = None, max_context_len: int | None = None) -> None:
+                                 max_query_len: int | None = None, max_context_len: int | None = None,
+                                 kv_scales: torch.Tensor | None = None) -> None:
     """accumulate_key_scores_ref as one Triton kernel that never materialises the
     [queries x keys] probabilities: each program recomputes them tile by tile.
 
@@ -162,7 +169,7 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
     Hq, D = q.shape[1:]
     Hkv, block_size = k_cache.shape[1:3]
     G = Hq // Hkv
-    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "head_dim must be contiguous"
+    scales = _check_cache(q, k_cache, k_cache, kv_scales)
     assert score_cache.dtype == torch.float32 and lse.dtype == torch.float32
     if score_from is None:
         score_from = torch.zeros_like(context_lens)
@@ -181,15 +188,16 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
         block_n //= 2   # the K tile stays in registers for the whole loop
     grid = (len(context_lens), triton.cdiv(max_context_len, block_n), Hkv)
     _accumulate_key_scores_kernel[grid](
-        q, k_cache, score_cache, block_tables, cu_seqlens_q, context_lens, lse,
+        q, k_cache, scales, score_cache, block_tables, cu_seqlens_q, context_lens, lse,
         score_from, scale,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scales.stride()[:3],
         score_cache.stride(0), score_cache.stride(1), score_cache.stride(2),
         *_block_table_strides(block_tables, Hkv),
         lse.stride(0), lse.stride(1),
         G=G, HEAD_DIM=D, HEAD_DIM_PADDED=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_m // G, BLOCK_N=block_n,
         DOT_IN_FP32=_dot_config(q.dtype)[0],   # the interpreter's bf16 tl.dot is wrong
+        QUANTIZED=kv_scales is not None,
         num_warps=num_warps,
     )

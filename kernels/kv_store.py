@@ -4,25 +4,58 @@ Cache layout, per layer (one source of truth, see nanokv/kv_cache.py):
     k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
     pos_cache:        [num_blocks, num_kv_heads, block_size] int32
     score_cache:      [num_blocks, num_kv_heads, block_size] float32
+    kv_scales:        [num_blocks, num_kv_heads, block_size, 2] float32, a quantized cache only
 A slot is `block * block_size + offset`. Each KV head has its own position
 and score per slot: after eviction, slot j of head 0 and slot j of head 1 may
 hold different tokens.
+
+A quantized cache (k_cache and v_cache int8 or fp8 e4m3) stores each head's
+row of D values as value / scale, symmetric, with one fp32 scale per (slot,
+KV head) for K (kv_scales[..., 0]) and one for V ([..., 1]): amax / QUANT_MAX,
+so the row's largest magnitude maps to the format's largest. Kernels dequantize
+as they load (value * scale); an unquantized cache has no scales.
 """
 import torch
 import triton
 import triton.language as tl
 
+# The quantized cache formats and the largest magnitude each represents.
+QUANT_MAX = {torch.int8: 127.0}
+if hasattr(torch, "float8_e4m3fn"):   # torch builds without float8 have no fp8 cache
+    QUANT_MAX[torch.float8_e4m3fn] = 448.0
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [..., D] -> (values [..., D] in dtype, scales [...] fp32); an all-zero row gets scale 0.
+    int8 rounds half up (floor(y + 0.5)), as the Triton kernel does; fp8 to nearest even."""
+    qmax = QUANT_MAX[dtype]
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    y = (x * (qmax / torch.where(amax > 0, amax, 1.0))[..., None]).clamp(-qmax, qmax)   # a zero row stays 0
+    if dtype == torch.int8:
+        y = torch.floor(y + 0.5)
+    return y.to(dtype), amax / qmax
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """values [..., D] times scales [...] in fp32; values as they are when scales is None (unquantized)."""
+    return values if scales is None else values.float() * scales[..., None]
+
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              pos_cache: torch.Tensor, score_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, positions: torch.Tensor) -> None:
-    """Write k, v [T, Hkv, D] to their slots [T] (slot -1 = padding, skipped),
-    record each token's position for every head and reset its score to 0."""
+             slot_mapping: torch.Tensor, positions: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
+    """Write k, v [T, Hkv, D] to their slots [T] (slot -1 = padding, skipped), quantized with
+    their scales in kv_scales if the cache is int8 or fp8, record each token's position for
+    every head and reset its score to 0."""
     keep = slot_mapping >= 0
     if not keep.all():
         slot_mapping, k, v, positions = slot_mapping[keep], k[keep], v[keep], positions[keep]
     block_size = k_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    if k_cache.dtype in QUANT_MAX:
+        (k, k_scale), (v, v_scale) = quantize(k, k_cache.dtype), quantize(v, v_cache.dtype)
+        kv_scales[blocks, :, offsets] = torch.stack([k_scale, v_scale], dim=-1)
     k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
     v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
     pos_cache[blocks, :, offsets] = positions.to(pos_cache.dtype).unsqueeze(1)
@@ -30,14 +63,38 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_cache_ptr, score_cache_ptr, slot_ptr, positions_ptr,
-                     n_heads, head_dim, block_size,
+def _round_to_e4m3(y):
+    """fp32 y (|y| <= 448) rounded to the nearest fp8 e4m3 value, ties to even (subnormals, below
+    2**-6: half up), still in fp32. Done here, not by the conversion to fp8, because Triton's
+    interpreter truncates that conversion; a GPU then converts exact values the same way."""
+    bits = y.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000   # keep 3 of the 23 mantissa bits
+    subnormal = tl.floor(y * 512.0 + 0.5) / 512.0              # e4m3 subnormals are multiples of 2**-9
+    return tl.where(tl.abs(y) < 0.015625, subnormal, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _quantized(x, QMAX: tl.constexpr, INT8: tl.constexpr):
+    """Rows of x [H, D] -> (x / scale clamped and rounded to the format, in fp32; scale [H])."""
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    y = x * (QMAX / tl.where(amax > 0, amax, 1.0))[:, None]   # a zero row stays 0
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    y = tl.floor(y + 0.5) if INT8 else _round_to_e4m3(y)
+    return y, amax / QMAX
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_cache_ptr, score_cache_ptr, scales_ptr,
+                     slot_ptr, positions_ptr, n_heads, head_dim, block_size,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
                      stride_pb, stride_ph, stride_ps, stride_sb, stride_sh, stride_ss,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program per token: all its heads' K and V rows, positions and scores. A padding token
-    (slot -1) masks every store, so it writes nothing."""
+                     stride_qb, stride_qh, stride_qs,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr):
+    """One program per token: all its heads' K and V rows, positions and scores; with QMAX > 0
+    (a quantized cache) the rows quantized and their scales. A padding token (slot -1) masks
+    every store, so it writes nothing."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     block, offset = slot // block_size, slot % block_size
@@ -46,8 +103,14 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_cache_ptr, scor
     head_ok = heads < tl.where(slot >= 0, n_heads, 0)  # a padding token has no heads to write
     mask = head_ok[:, None] & (dims < head_dim)[None, :]
     h, d = heads[:, None], dims[None, :]
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+    if QMAX > 0:
+        k, k_scale = _quantized(k, QMAX, INT8)
+        v, v_scale = _quantized(v, QMAX, INT8)
+        scale_at = scales_ptr + block * stride_qb + heads * stride_qh + offset * stride_qs
+        tl.store(scale_at, k_scale, mask=head_ok)
+        tl.store(scale_at + 1, v_scale, mask=head_ok)
     tl.store(k_cache_ptr + block * stride_kcb + h * stride_kch + offset * stride_kcs + d,
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + block * stride_vcb + h * stride_vch + offset * stride_vcs + d,
@@ -61,7 +124,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_cache_ptr, scor
 
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     pos_cache: torch.Tensor, score_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor, positions: torch.Tensor) -> None:
+                    slot_mapping: torch.Tensor, positions: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
     """store_kv_ref in one launch. k, v may be strided views (slices of the fused qkv output) as long
     as each head's D values are contiguous. Slots are not bounds-checked (that would sync the GPU)."""
     T, n_heads, head_dim = k.shape
@@ -77,9 +140,16 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
                          f"must be [{T}]")
     if (k.stride(2), v.stride(2), k_cache.stride(3), v_cache.stride(3)) != (1, 1, 1, 1):
         raise ValueError("store_kv needs each head's D values contiguous in k, v and the caches")
+    qmax = QUANT_MAX.get(k_cache.dtype, 0.0)
+    if qmax and (kv_scales is None or kv_scales.shape != (*k_cache.shape[:3], 2) or kv_scales.stride(3) != 1):
+        raise ValueError(f"a {k_cache.dtype} cache needs kv_scales {(*k_cache.shape[:3], 2)} "
+                         f"(the last dimension contiguous), got {kv_scales if kv_scales is None else kv_scales.shape}")
+    scales = kv_scales if qmax else score_cache   # a stand-in the kernel never touches unquantized
     _store_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, pos_cache, score_cache, slot_mapping, positions,
+        k, v, k_cache, v_cache, pos_cache, score_cache, scales, slot_mapping, positions,
         n_heads, head_dim, block_size,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *pos_cache.stride(), *score_cache.stride(),
-        BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(head_dim))
+        *scales.stride()[:3],
+        BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        QMAX=qmax, INT8=k_cache.dtype == torch.int8)

@@ -60,14 +60,14 @@ class Attention(nn.Module):
         kernels.apply_rope(q, k, positions, cos_sin)  # before caching: a kept key keeps its position
         layer = cache.layer(self.layer_idx)
         kernels.store_kv(k, v, layer.k, layer.v, layer.positions, layer.scores,
-                         meta.slot_mapping, positions)
+                         meta.slot_mapping, positions, kv_scales=layer.kv_scales)
         out = kernels.paged_attention(q, layer.k, layer.v, meta.block_tables, meta.cu_seqlens_q,
                                       meta.context_lens, self.scale, max_query_len=meta.max_query_len,
                                       max_context_len=meta.max_context_len, num_decodes=meta.num_decodes,
                                       score_cache=layer.scores if meta.accumulate_scores else None,
                                       score_from=meta.score_from,
                                       logits=layer.logits, workspace=meta.decode_workspace,
-                                      cpu_plan=meta.cpu_plan)
+                                      cpu_plan=meta.cpu_plan, kv_scales=layer.kv_scales)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

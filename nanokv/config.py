@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.kv_store import QUANT_MAX
 from nanokv.checks import SEED_RANGE, check_bool, check_choice, check_float, check_int, check_type
 from nanokv.eviction import METHODS, SCHEDULE_NAMES
 
@@ -20,6 +21,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# kv_cache_dtype: "auto" is the model's dtype; the others quantize the cache (kernels/kv_store.py).
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": getattr(torch, "float8_e4m3fn", None)}
 
 
 @dataclass
@@ -109,6 +112,7 @@ class EngineConfig:
     max_model_len: int | None = None    # prompt + output limit; default: the model's context
     seed: int = 0                       # for requests that give no seed of their own
     enforce_eager: bool = False         # CUDA: no decode graphs (debugging, profiling)
+    kv_cache_dtype: str = "auto"        # "auto" (the model's dtype), "int8" or "fp8" (e4m3): a quantized cache
     # Defaults for requests whose SamplingParams leave them unset (nanokv/eviction/).
     kv_method: str = "full"             # a ranking (METHODS): "full", "batchmax", "h2o", ...
     kv_schedule: str | None = None      # "prefill", "decode" or "once"; None: the ranking's own
@@ -137,6 +141,10 @@ class EngineConfig:
         check_int("max_model_len", self.max_model_len, 2, optional=True)
         check_int("seed", self.seed, *SEED_RANGE)
         check_bool("enforce_eager", self.enforce_eager)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
+        if self.kv_cache_dtype == "fp8" and KV_CACHE_DTYPES["fp8"] not in QUANT_MAX:
+            raise ValueError(f"kv_cache_dtype='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} "
+                             "lacks; use 'int8' or 'auto'")
         check_choice("kv_method", self.kv_method, METHODS)   # LLM checks the method's budget with make_method
         check_choice("kv_schedule", self.kv_schedule, SCHEDULE_NAMES, optional=True)
         check_int("kv_budget", self.kv_budget, 1)

@@ -39,7 +39,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.score_from = torch.zeros(n, dtype=torch.int32, device=device)   # windowed rankings (attention.py)
-        self.hidden = torch.zeros(n, model.config.hidden_size, dtype=kv_cache.k.dtype, device=device)
+        self.hidden = torch.zeros(n, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype, device=device)
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         # Two graphs per size: one that also accumulates eviction scores (a batch with an
         # evicting sequence) and one that does not, so a full cache never pays for scores.

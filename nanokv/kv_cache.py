@@ -2,7 +2,8 @@
 
 Beside K and V, every slot of every KV head carries the metadata eviction
 needs, laid out like the cache so kernels read it through the same block
-tables: the original token position (int32) and an attention score (fp32).
+tables: the original token position (int32) and an attention score (fp32),
+and, when the cache is quantized (int8 or fp8), the scales of K and V.
 One more buffer of the pool's shape is scratch, shared by all layers: the
 raw attention logits a scored decode step keeps per slot and query head
 until it knows each query's softmax denominator (kernels/decode_attention.py).
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import logits_scratch
+from kernels.kv_store import QUANT_MAX
 from nanokv.config import ModelConfig
 
 
@@ -25,10 +27,12 @@ class LayerCache:
     positions: torch.Tensor  # [num_blocks, num_kv_heads, block_size] int32
     scores: torch.Tensor     # [num_blocks, num_kv_heads, block_size] float32
     logits: torch.Tensor     # [num_blocks, num_heads, block_size] float32 scratch, the same for every layer
+    kv_scales: torch.Tensor | None   # [num_blocks, num_kv_heads, block_size, 2] float32; None unquantized
 
 
 class KVCache:
-    """The tensors of the pool, for all layers at once."""
+    """The tensors of the pool, for all layers at once. dtype: the cache's (the model's,
+    or int8 / fp8 e4m3 for a quantized cache, whose K and V carry scales)."""
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device):
@@ -41,15 +45,25 @@ class KVCache:
         self.positions = torch.zeros(shape, dtype=torch.int32, device=device)
         self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
         self.logits = logits_scratch(num_blocks, model.num_heads, block_size, device)
+        quantized = dtype in QUANT_MAX
+        self.kv_scales = torch.zeros(*shape, 2, device=device) if quantized else None
 
     def layer(self, i: int) -> LayerCache:
-        return LayerCache(self.k[i], self.v[i], self.positions[i], self.scores[i], self.logits)
+        return LayerCache(self.k[i], self.v[i], self.positions[i], self.scores[i], self.logits,
+                          None if self.kv_scales is None else self.kv_scales[i])
+
+    @property
+    def per_slot(self) -> tuple[torch.Tensor, ...]:
+        """Every buffer [L, num_blocks, H, bs, ...] whose slots move with their pair (kernels/compact.py)."""
+        scales = () if self.kv_scales is None else (self.kv_scales,)
+        return (self.k, self.v, self.positions, self.scores, *scales)
 
     @staticmethod
     def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """Memory of one block: K and V, position and score in every layer, and the logits scratch."""
-        kv = 2 * model.head_dim * torch.finfo(dtype).bits // 8
-        metadata = 4 + 4
+        """Memory of one block: K and V (and their two fp32 scales if quantized), position and
+        score in every layer, and the logits scratch."""
+        kv = 2 * model.head_dim * dtype.itemsize
+        metadata = 4 + 4 + (2 * 4 if dtype in QUANT_MAX else 0)
         logits = 4 * model.num_heads * block_size
         return model.num_layers * model.num_kv_heads * block_size * (kv + metadata) + logits
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 import kernels
 from nanokv.checks import check_token_ids
-from nanokv.config import EngineConfig, ModelConfig, resolve_dtype
+from nanokv.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig, resolve_dtype
 from nanokv.kv_cache import BlockManager
 import models.shapes as shapes   # a module import: models.shapes itself imports nanokv.config
 from nanokv.loader import load_model, resolve_model_path
@@ -85,7 +85,8 @@ class LLM:
             self.tokenizer = Tokenizer.from_dir(path)
             self.config.max_model_len = self._max_model_len()
             decoder = load_model(path, self.model_config, self.dtype, device, self.config.max_model_len)
-        self.runner = ModelRunner(self.config, decoder, self.dtype, device)
+        kv_dtype = KV_CACHE_DTYPES[self.config.kv_cache_dtype] or self.dtype
+        self.runner = ModelRunner(self.config, decoder, self.dtype, device, kv_dtype)
         self.blocks = BlockManager(self.runner.kv_cache.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path))
         self.requests: dict[int, _Request] = {}

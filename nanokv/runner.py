@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention_cpu import make_plan
+from kernels.kv_store import dequantize
 from nanokv.attention import AttentionMetadata
 import kernels
 from models import Decoder
@@ -49,8 +50,10 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: Decoder, dtype: torch.dtype, device: torch.device):
-        self.config, self.device = config, device
+    def __init__(self, config: EngineConfig, model: Decoder, dtype: torch.dtype, device: torch.device,
+                 kv_dtype: torch.dtype):
+        """dtype: the model's; kv_dtype: the KV cache's (dtype, or int8 / fp8 for a quantized cache)."""
+        self.config, self.device, self.dtype, self.kv_dtype = config, device, dtype, kv_dtype
         self.block_size = config.block_size
         self.model = model
         model_config = model.config
@@ -60,8 +63,8 @@ class ModelRunner:
             self.decode_workspace = kernels.decode_workspace_for(
                 config.max_num_seqs, model_config.num_heads, model_config.num_kv_heads, model_config.head_dim,
                 config.max_model_len, device)
-        num_blocks = self._num_kv_blocks(model_config, dtype)
-        self.kv_cache = KVCache(model_config, num_blocks, config.block_size, dtype, device)
+        num_blocks = self._num_kv_blocks(model_config, kv_dtype)
+        self.kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
         self.sampler = Sampler(device, config.seed)
         self.timings: Timings | None = None   # set to Timings() to measure (syncs the device)
         self.graphs = None   # CUDA graphs need the Triton kernels: the references synchronise
@@ -106,8 +109,7 @@ class ModelRunner:
         through a scratch cache just big enough for it."""
         n, bs, device = self.config.max_num_batched_tokens, self.block_size, self.device
         num_blocks = -(-n // bs)
-        dtype = next(self.model.parameters()).dtype
-        scratch = KVCache(self.model.config, num_blocks, bs, dtype, device)
+        scratch = KVCache(self.model.config, num_blocks, bs, self.kv_dtype, device)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(n, device=device),
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
@@ -156,7 +158,7 @@ class ModelRunner:
         if kernels.BACKEND == "cpu":   # the gathers and masks every layer shares, built once
             meta = step.meta
             meta.cpu_plan = make_plan(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                      self.kv_cache.k.shape[2], self.block_size, self.kv_cache.k.dtype,
+                                      self.kv_cache.k.shape[2], self.block_size, self.dtype,
                                       meta.accumulate_scores)
         return step
 
@@ -224,8 +226,7 @@ class ModelRunner:
             tables = self._tables(seqs, num_slots)
             keep = self._survivors(seqs, tables, num_slots, num_evicted)
             for seq, table, kept in zip(seqs, tables, keep):
-                kernels.compact_kv(self.kv_cache.k, self.kv_cache.v, self.kv_cache.positions,
-                                   self.kv_cache.scores, table, kept)
+                kernels.compact_kv(self.kv_cache.per_slot, table, kept)
                 if seq.method.windowed:   # its scores restart: the next window counts from zero
                     self.kv_cache.scores[:, table] = 0.0
 
@@ -244,10 +245,15 @@ class ModelRunner:
             return torch.arange(num_slots, device=self.device).expand(positions.shape)
         current = torch.tensor([seq.num_computed_tokens - 1 for seq in seqs], device=self.device)
         held = HeldPairs(positions, self.read_slots(self.kv_cache.scores, tables, num_slots),
-                         current=current[:, None, None, None],
-                         keys=lambda: self.read_slots(self.kv_cache.k, tables, num_slots))
+                         current=current[:, None, None, None], keys=lambda: self._keys(tables, num_slots))
         priority = seqs[0].method.keep_priority(held)
         return priority.argsort(dim=-1, stable=True)[..., num_evicted:].sort(dim=-1).values
+
+    def _keys(self, tables: torch.Tensor, n: int) -> torch.Tensor:
+        """[S, L, H, n, D]: the keys of the first n slots, dequantized if the cache is quantized."""
+        scales = self.kv_cache.kv_scales
+        return dequantize(self.read_slots(self.kv_cache.k, tables, n),
+                          None if scales is None else self.read_slots(scales, tables, n)[..., 0])
 
     def read_slots(self, per_slot: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
         """The first n slots of S sequences (tables [S, nb]) from a per-slot buffer
