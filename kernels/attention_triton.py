@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_store import QUANT_MAX
+from kernels.kv_store import QUANT_MAX, from_cache, kernel_view
 
 LOG2E = math.log2(math.e)
 LN2 = tl.constexpr(math.log(2.0))    # turns the kernels' log2-sum-exps into natural logs
@@ -141,7 +141,7 @@ def _load_kv_tile(k_ptr, v_ptr, blocks, slots, slot_valid, kv_head, dims, dim_va
     v_rows = blocks * stride_vb + kv_head * stride_vh + offset * stride_vs
     k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    return k.to(dtype), v.to(dtype)
+    return from_cache(k, dtype), from_cache(v, dtype)
 
 
 @triton.jit
@@ -242,10 +242,13 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + q_rows * stride_lt + head, (m + tl.log2(l)) * LN2, mask=row_valid)
 
 
-def kv_tile(dtype: torch.dtype) -> tuple[int, int]:
+def kv_tile(dtype: torch.dtype, quantized: bool = False) -> tuple[int, int]:
     """(BLOCK_N, num_warps) for a loop over key tiles: exact fp32 dots take smaller tiles
-    over more warps, else they spill (kernels/compile_check.py)."""
-    return (FP32_BLOCK_N, 8) if dtype == torch.float32 else (BLOCK_N, 4)
+    over more warps, else they spill (kernels/compile_check.py); so does flash-decoding's
+    conversion of 8-bit tiles at head_dim 128 on sm_90 with 4 warps."""
+    if dtype == torch.float32:
+        return FP32_BLOCK_N, 8
+    return BLOCK_N, 8 if quantized else 4
 
 
 def prefill_tiles(dtype: torch.dtype, max_query_len: int, group: int) -> tuple[int, int, int]:
@@ -290,7 +293,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         upcast, precision = _dot_config(q.dtype)
         grid = (B, triton.cdiv(max_query_len, block_q), Hkv)
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, scales, out, lse, block_tables, cu_seqlens_q, context_lens, scale * LOG2E,
+            q, kernel_view(k_cache), kernel_view(v_cache), scales, out, lse, block_tables, cu_seqlens_q, context_lens, scale * LOG2E,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *scales.stride()[:3],
             out.stride(0), out.stride(1), lse.stride(0), *_block_table_strides(block_tables, Hkv),
             HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size,

@@ -143,6 +143,7 @@ def problems(record: CompiledKernel) -> list[str]:
 # ----- the cases: the wrappers at the shapes that matter ------------------------------------
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+QUANTIZED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}   # cache formats (kernels/kv_store.py)
 # name: (query heads, KV heads, head_dim, hidden, intermediate)
 SHAPES = {"llama-3.1-8b": (32, 8, 128, 4096, 14336), "smollm2-135m": (9, 3, 64, 576, 1536),
           "qwen3-0.6b": (16, 8, 128, 1024, 3072), "mha-128": (8, 8, 128, 1024, 2048),
@@ -157,7 +158,8 @@ def _qkv(tokens: int, hq: int, hkv: int, d: int, dtype) -> tuple[torch.Tensor, t
 
 
 def _attention_case(kind: str, shape: str, dtype: str, block_size: int, query_len: int = 1,
-                    scores: bool = False) -> Callable[[], None]:
+                    scores: bool = False, cache: str | None = None) -> Callable[[], None]:
+    """cache: "int8" or "fp8" for a quantized cache, None for one in the model's dtype."""
     from kernels import decode_num_splits
     from kernels.attention_triton import paged_attention_triton
     from kernels.decode_attention import paged_decode_attention_triton
@@ -167,23 +169,38 @@ def _attention_case(kind: str, shape: str, dtype: str, block_size: int, query_le
         hq, hkv, d = SHAPES[shape][:3]
         dt = DTYPES[dtype]
         num_blocks, width = 8, 4
-        k_cache = torch.zeros(num_blocks, hkv, block_size, d, dtype=dt)
+        k_cache = torch.zeros(num_blocks, hkv, block_size, d, dtype=QUANTIZED[cache] if cache else dt)
         v_cache = torch.zeros_like(k_cache)
         score_cache = torch.zeros(num_blocks, hkv, block_size)
+        kv_scales = torch.zeros(num_blocks, hkv, block_size, 2) if cache else None
         tables = torch.zeros(2, width, dtype=torch.int32)
         lens = torch.ones(2, dtype=torch.int32)
         if kind == "decode":
             q = _qkv(2, hq, hkv, d, dt)[0]
             paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.1, decode_num_splits(2, hkv, 4096),
-                                          score_cache=score_cache if scores else None)
+                                          score_cache=score_cache if scores else None, kv_scales=kv_scales)
             return
         q = _qkv(2 * query_len, hq, hkv, d, dt)[0]
         cu_seqlens = torch.tensor([0, query_len, 2 * query_len], dtype=torch.int32)
         out, lse = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens, lens, 0.1, return_lse=True,
-                                          max_query_len=query_len)
+                                          max_query_len=query_len, kv_scales=kv_scales)
         if kind == "key_scores":
             accumulate_key_scores_triton(q, k_cache, score_cache, tables, cu_seqlens, lens, lse, 0.1,
-                                         max_query_len=query_len, max_context_len=4096)
+                                         max_query_len=query_len, max_context_len=4096, kv_scales=kv_scales)
+    return run
+
+
+def _store_case(shape: str, dtype: str, cache: str) -> Callable[[], None]:
+    """store_kv into a quantized cache."""
+    from kernels.kv_store import store_kv_triton
+
+    def run():
+        hq, hkv, d = SHAPES[shape][:3]
+        k_cache = torch.zeros(8, hkv, 16, d, dtype=QUANTIZED[cache])
+        _, k, v = _qkv(4, hq, hkv, d, DTYPES[dtype])
+        store_kv_triton(k, v, k_cache, torch.zeros_like(k_cache), torch.zeros(8, hkv, 16, dtype=torch.int32),
+                        torch.zeros(8, hkv, 16), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long),
+                        kv_scales=torch.zeros(8, hkv, 16, 2))
     return run
 
 
@@ -230,6 +247,13 @@ def default_cases() -> dict[str, Callable[[], None]]:
     for shape, dtype in (("llama-3.1-8b", "bf16"), ("smollm2-135m", "bf16"), ("qwen3-0.6b", "fp16"),
                          ("smollm2-135m", "fp32")):
         cases[f"elementwise, {shape} {dtype}"] = _elementwise_case(shape, dtype)
+    # Quantized caches: each format with every attention kernel and the store.
+    for shape, dtype, cache in (("llama-3.1-8b", "bf16", "int8"), ("smollm2-135m", "fp16", "fp8")):
+        tag = f"{shape} {dtype} block 16, {cache} cache"
+        cases[f"decode + scores, {tag}"] = _attention_case("decode", shape, dtype, 16, scores=True, cache=cache)
+        cases[f"key scores 512, {tag}"] = _attention_case("key_scores", shape, dtype, 16, query_len=512,
+                                                          cache=cache)
+        cases[f"store, {tag}"] = _store_case(shape, dtype, cache)
     return cases
 
 

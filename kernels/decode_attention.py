@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kernels.attention_triton import (LOG2E, LN2, MIN_BLOCK_M, _block_numbers, _block_table_strides, _check_cache,
                                       _dot_config, _load_kv_scales, _load_kv_tile, _online_softmax_step, kv_tile)
+from kernels.kv_store import kernel_view
 
 MIN_SPLIT = 256   # slots: a shorter split costs more in merging than it gains in parallelism
 
@@ -266,12 +267,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
     upcast, precision = _dot_config(q.dtype)
     table_strides = _block_table_strides(block_tables, Hkv)
-    block_n, num_warps = kv_tile(q.dtype)
+    block_n, num_warps = kv_tile(q.dtype, quantized=kv_scales is not None)
     common = dict(HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
                   G=G, BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT)
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, k_cache, v_cache, kv_scale_buffer, block_tables, context_lens, part_out, part_lse, logits,
-        scale * LOG2E, num_splits,
+        q, kernel_view(k_cache), kernel_view(v_cache), kv_scale_buffer, block_tables, context_lens,
+        part_out, part_lse, logits, scale * LOG2E, num_splits,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *kv_scale_buffer.stride()[:3],
         *table_strides,
         *part_out.stride()[:3], *part_lse.stride()[:2], *logits.stride()[:2],

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_triton import _block_table_strides, _check_cache, _dot_config, _load_kv_scales, kv_tile
-from kernels.kv_store import dequantize
+from kernels.kv_store import dequantize, from_cache, kernel_view
 
 
 def _per_head_tables(block_tables: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -120,7 +120,7 @@ def _accumulate_key_scores_kernel(
     k = tl.load(k_cache_ptr + blocks[:, None] * stride_k_block + kv_head * stride_k_head
                 + offsets[:, None] * stride_k_slot + dims[None, :],
                 mask=slot_mask[:, None] & dim_mask[None, :], other=0.0)
-    k = k.to(tl.float32 if DOT_IN_FP32 else q_ptr.dtype.element_ty)   # q's dtype: a quantized cache is 8-bit
+    k = from_cache(k, tl.float32 if DOT_IN_FP32 else q_ptr.dtype.element_ty)   # q's dtype: 8 bits if quantized
     # A quantized key's scale multiplies its logits (kernels/attention_triton.py); ones otherwise.
     k_scale = _load_kv_scales(scales_ptr, blocks, slots, slot_mask, kv_head, BLOCK_SIZE,
                               stride_qs_block, stride_qs_head, stride_qs_slot, QUANTIZED)[0]
@@ -188,7 +188,7 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
         block_n //= 2   # the K tile stays in registers for the whole loop
     grid = (len(context_lens), triton.cdiv(max_context_len, block_n), Hkv)
     _accumulate_key_scores_kernel[grid](
-        q, k_cache, scales, score_cache, block_tables, cu_seqlens_q, context_lens, lse,
+        q, kernel_view(k_cache), scales, score_cache, block_tables, cu_seqlens_q, context_lens, lse,
         score_from, scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scales.stride()[:3],

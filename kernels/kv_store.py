@@ -13,7 +13,10 @@ A quantized cache (k_cache and v_cache int8 or fp8 e4m3) stores each head's
 row of D values as value / scale, symmetric, with one fp32 scale per (slot,
 KV head) for K (kv_scales[..., 0]) and one for V ([..., 1]): amax / QUANT_MAX,
 so the row's largest magnitude maps to the format's largest. Kernels dequantize
-as they load (value * scale); an unquantized cache has no scales.
+as they load (value * scale); an unquantized cache has no scales. An fp8 cache
+reaches the Triton kernels as its bytes (kernel_view), which they encode and
+decode with integer ops: sm_80 has no fp8 type, and the interpreter truncates
+conversions to fp8.
 """
 import torch
 import triton
@@ -42,6 +45,31 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tenso
     return values if scales is None else values.float() * scales[..., None]
 
 
+def kernel_view(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as the Triton kernels take it: an fp8 one as its bytes (uint8), any other as it is."""
+    return cache.view(torch.uint8) if cache.dtype == getattr(torch, "float8_e4m3fn", None) else cache
+
+
+@triton.jit
+def from_cache(x, dtype: tl.constexpr):
+    """Values loaded from a cache (kernel_view) -> dtype. uint8 holds fp8 e4m3 bits: shifted into
+    an fp16's (exponent bias 15, not 7) they are the value times 2**-8, subnormals included."""
+    if x.dtype == tl.uint8:
+        half = ((x & 0x7F).to(tl.uint16) << 7) | ((x & 0x80).to(tl.uint16) << 8)
+        x = half.to(tl.float16, bitcast=True) * 256.0
+    return x.to(dtype)
+
+
+@triton.jit
+def _to_cache(x, dtype: tl.constexpr):
+    """fp32 values already in the cache's format (_quantized) -> what the cache stores; for uint8,
+    the e4m3 bits (the inverse of from_cache: exact, as x is an e4m3 value)."""
+    if dtype == tl.uint8:
+        half = (x * 0.00390625).to(tl.float16).to(tl.uint16, bitcast=True)
+        return (((half >> 8) & 0x80) | ((half >> 7) & 0x7F)).to(tl.uint8)
+    return x.to(dtype)
+
+
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              pos_cache: torch.Tensor, score_cache: torch.Tensor,
              slot_mapping: torch.Tensor, positions: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
@@ -66,7 +94,7 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 def _round_to_e4m3(y):
     """fp32 y (|y| <= 448) rounded to the nearest fp8 e4m3 value, ties to even (subnormals, below
     2**-6: half up), still in fp32. Done here, not by the conversion to fp8, because Triton's
-    interpreter truncates that conversion; a GPU then converts exact values the same way."""
+    interpreter truncates that conversion, and _to_cache then encodes exact values."""
     bits = y.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000   # keep 3 of the 23 mantissa bits
     subnormal = tl.floor(y * 512.0 + 0.5) / 512.0              # e4m3 subnormals are multiples of 2**-9
@@ -112,9 +140,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_cache_ptr, scor
         tl.store(scale_at, k_scale, mask=head_ok)
         tl.store(scale_at + 1, v_scale, mask=head_ok)
     tl.store(k_cache_ptr + block * stride_kcb + h * stride_kch + offset * stride_kcs + d,
-             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+             _to_cache(k, k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + block * stride_vcb + h * stride_vch + offset * stride_vcs + d,
-             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+             _to_cache(v, v_cache_ptr.dtype.element_ty), mask=mask)
     position = tl.load(positions_ptr + t)
     # Scalars broadcast to every head.
     tl.store(pos_cache_ptr + block * stride_pb + heads * stride_ph + offset * stride_ps,
@@ -146,7 +174,7 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
                          f"(the last dimension contiguous), got {kv_scales if kv_scales is None else kv_scales.shape}")
     scales = kv_scales if qmax else score_cache   # a stand-in the kernel never touches unquantized
     _store_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, pos_cache, score_cache, scales, slot_mapping, positions,
+        k, v, kernel_view(k_cache), kernel_view(v_cache), pos_cache, score_cache, scales, slot_mapping, positions,
         n_heads, head_dim, block_size,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *pos_cache.stride(), *score_cache.stride(),
