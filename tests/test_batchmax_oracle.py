@@ -23,6 +23,7 @@ import torch
 
 import kernels
 from helpers import FAMILIES, make_tiny_model
+from kernels.kv_store import dequantize, quantize
 
 BLOCK = 16
 
@@ -97,6 +98,14 @@ class Oracle:
         theta = getattr(cfg, "rope_theta", None) or rope.get("rope_theta", 10000.0)
         half = torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
         self.inv_freq = 1.0 / theta ** half
+        self.kv_cache_dtype = None   # int8 / fp8: the pairs are kept as a quantized cache gives them back
+
+    def quantized(self, kv_cache_dtype: torch.dtype) -> "Oracle":
+        """The same oracle, keeping each new K and V row quantized and dequantized (per token and
+        KV head, kernels/kv_store.py), as an engine with that kv_cache_dtype does."""
+        oracle = copy.copy(self)
+        oracle.kv_cache_dtype = kv_cache_dtype
+        return oracle
 
     # --- the decoder ---
 
@@ -129,7 +138,10 @@ class Oracle:
             h = self.rms_norm(x, layer.input_layernorm)
             q = self.rope(attn.q_proj(h).view(T, H, D).transpose(0, 1), pos)
             k = self.rope(attn.k_proj(h).view(T, Hkv, D).transpose(0, 1), pos)  # RoPE'd before caching
-            kv.append(k, attn.v_proj(h).view(T, Hkv, D).transpose(0, 1), pos)
+            v = attn.v_proj(h).view(T, Hkv, D).transpose(0, 1)
+            if self.kv_cache_dtype is not None:
+                k, v = (dequantize(*quantize(x, self.kv_cache_dtype)).double() for x in (k, v))
+            kv.append(k, v, pos)
             keys, values = kv.k.repeat_interleave(group, 0), kv.v.repeat_interleave(group, 0)
             logits = q @ keys.transpose(1, 2) / math.sqrt(D)                      # [H, T, n]
             future = kv.pos.repeat_interleave(group, 0)[:, None, :] > pos[None, :, None]
@@ -363,6 +375,16 @@ def test_a_batch_of_methods_and_budgets_each_matches_its_oracle(gqa, backend):
         ("batchmax", 32, 16, 70, 30), ("batchmax", 48, 16, 90, 30), ("full", None, None, 40, 30),
         ("ed", 2, None, 60, 30), ("ed", 5, None, 33, 30), ("decode_only", 48, 16, 100, 30),
         ("decode_only", 48, 16, 40, 30), ("decode_only", 48, 16, 20, 40)])
+
+
+def test_every_method_on_an_int8_cache_matches_its_oracle(gqa):
+    """kv_cache_dtype="int8": against the oracle that keeps every pair as the int8 cache gives
+    it back, the same tokens and the same kept positions in every (layer, KV head) (against
+    the unquantized oracle, the kept positions differ)."""
+    path, _, oracle = gqa
+    run_against_oracle(engine(path, kv_cache_dtype="int8"), oracle.quantized(torch.int8), [
+        ("batchmax", 32, 16, 70, 30), ("full", None, None, 40, 30), ("ed", 5, None, 33, 30),
+        ("decode_only", 48, 16, 100, 30)])
 
 
 def test_batchmax_with_room_for_everything_is_full(model):

@@ -191,6 +191,14 @@ def test_every_ranking_under_every_schedule_keeps_what_the_oracle_keeps(model):
     check_against_oracle(engine(path), oracle, GQA_GRID if oracle.num_kv_heads < oracle.num_heads else MHA_GRID)
 
 
+def test_every_ranking_on_an_int8_cache_keeps_what_its_oracle_keeps(gqa):
+    """kv_cache_dtype="int8": each ranking under its default schedule, against the oracle that
+    keeps every pair as the int8 cache gives it back (K-norm ranks the dequantized keys)."""
+    path, _, oracle = gqa
+    check_against_oracle(engine(path, kv_cache_dtype="int8"), oracle.quantized(torch.int8),
+                         [case(r, None, s, **SETTINGS.get(r, {})) for r, s in zip(RANKINGS, (47, 49, 50, 70, 80, 17))])
+
+
 def test_the_cache_follows_each_schedule_step_by_step(gqa):
     """Chunked prefills, a mix of rankings, schedules and budgets: under prefill and decode
     (once the prompt is read) no head ever holds more than |kv| pairs; under once exactly |kv|
