@@ -3,6 +3,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 import kernels
 from helpers import VOCAB, make_tiny_model
@@ -176,12 +177,23 @@ def test_unknown_engine_option_and_dtype(tiny_dir):
     (dict(evict_every=0), ValueError, "evict_every must be an integer >= 1, got 0"),
     (dict(device=0), TypeError, r"device must be None or a device \('cuda', 'cpu', ...\), got 0"),
     (dict(dtype=16), TypeError, "dtype must be a torch.dtype or its name, got 16"),
+    (dict(kv_cache_dtype="int4"), ValueError, "unknown kv_cache_dtype 'int4'; use one of auto, int8, fp8"),
+    (dict(kv_cache_dtype=torch.int8), TypeError, "unknown kv_cache_dtype torch.int8; use one of auto, int8, fp8"),
 ])
 def test_bad_engine_options(tiny_dir, options, error, message):
     with pytest.raises(error, match=message):
         EngineConfig(**options)
     with pytest.raises(error, match=message):   # before anything is loaded
         LLM(str(tiny_dir), **options)
+
+
+def test_an_fp8_cache_needs_torch_float8(monkeypatch, tiny_dir):
+    import nanokv.config
+
+    monkeypatch.setitem(nanokv.config.KV_CACHE_DTYPES, "fp8", None)   # as a torch built without float8
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' needs torch.float8_e4m3fn, which torch .* lacks; "
+                                         "use 'int8' or 'auto'"):
+        LLM(str(tiny_dir), kv_cache_dtype="fp8")
 
 
 def test_block_size_any_power_of_two_on_the_references_at_least_16_with_triton(tiny_dir):
