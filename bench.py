@@ -12,7 +12,8 @@
 Models: --model DIR|HUB_ID (default: the bundled SmolLM2-135M) or --random-weights SHAPE
 (llama-3.1-8b, qwen3-0.6b, smollm2-135m: models/shapes.py). Throughput does not depend on
 the weights, so a GPU run needs no checkpoint. Prompts are random token ids and EOS is
-ignored: every request generates exactly its output length.
+ignored: every request generates exactly its output length. --kv-cache-dtype int8|fp8: a
+quantized KV cache (the same --kv-cache-gb then holds ~1.8x the tokens of a bf16 cache).
 
 What the numbers mean (each record comes from one run; nothing is copied between runs):
 - tokens/s: generated tokens / wall time of the whole run, prefill included.
@@ -33,7 +34,7 @@ What the numbers mean (each record comes from one run; nothing is copied between
   read one prompt, compress it, then admit the next: decode_only shows where evicting
   during the prefill still wins (prompts long relative to memory) and where it does not.
 - Peak KV: the most KV blocks in use after any step x bytes per block (K, V, and each
-  slot's position and score). Blocks taken and given back within one step are not seen.
+  slot's position, score and, quantized, the scales of K and V). Blocks taken and given back within one step are not seen.
 """
 from __future__ import annotations
 
@@ -125,7 +126,8 @@ def make_llm(args, max_model_len: int, **options) -> LLM:
     """The engine for this bench, with a pool of --kv-cache-gb (the engine's default if None)."""
     model = f"random:{args.random_weights}" if args.random_weights else args.model
     return LLM(model, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, max_model_len=max_model_len,
-               block_size=args.block_size, enforce_eager=args.enforce_eager, **options)
+               block_size=args.block_size, enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+               **options)
 
 
 def warm_up(llm, input_len: int, args) -> None:
@@ -172,7 +174,8 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
     return dict(
         fits=fits, requests=len(requests), output_tokens=tokens, wall_s=wall,
         tokens_per_s=tokens / wall if fits else None,
-        peak_kv_gb=peak_blocks * KVCache.bytes_per_block(llm.model_config, blocks.block_size, llm.dtype) / 1e9,
+        peak_kv_gb=peak_blocks * KVCache.bytes_per_block(llm.model_config, blocks.block_size, llm.runner.kv_dtype)
+        / 1e9,
         cuda_max_allocated_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
         decode_ms_per_step=1e3 * timings.decode_s / steps if steps else None,
         prefill_s=timings.prefill_s, decode_s=timings.decode_s, evict_s=timings.evict_s,
@@ -187,7 +190,7 @@ def run_context(args, llm) -> dict:
     device = llm.runner.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"cpu, {torch.get_num_threads()} torch threads"
-    per_block = KVCache.bytes_per_block(llm.model_config, llm.config.block_size, llm.dtype)
+    per_block = KVCache.bytes_per_block(llm.model_config, llm.config.block_size, llm.runner.kv_dtype)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip() or None
@@ -195,6 +198,7 @@ def run_context(args, llm) -> dict:
         commit = None
     return dict(device=name, model=f"random:{args.random_weights}" if args.random_weights else
                 (args.model or "bundled SmolLM2-135M"), dtype=str(llm.dtype).removeprefix("torch."),
+                kv_cache_dtype=str(llm.runner.kv_dtype).removeprefix("torch."),
                 kv_pool_gb=llm.blocks.num_blocks * per_block / 1e9, kv_blocks=llm.blocks.num_blocks,
                 block_size=llm.config.block_size, evict_every=args.evict_every,
                 date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit)
@@ -254,7 +258,8 @@ def bench_paper(args, save: Callable[[dict], None]) -> list[dict]:
         oom_at = min((b for b, r in runs.items() if not r["fits"]), default=f">{args.max_batch}")
         rows.append(dict(runs.get(best, {"fits": False}), label=method.label, largest=best, oom_at=oom_at))
         records += runs.values()
-    print(f"\nstatic batches: {context['model']}, {context['dtype']}, {context['device']}, input {inp}, "
+    print(f"\nstatic batches: {context['model']}, {context['dtype']} (KV cache {context['kv_cache_dtype']}), "
+          f"{context['device']}, input {inp}, "
           f"output {out}, KV pool {context['kv_pool_gb']:.3f} GB = {context['kv_blocks']} blocks "
           f"of {context['block_size']}, p = {args.evict_every}")
     print_table(rows, STATIC_COLUMNS)
@@ -322,7 +327,9 @@ def decode_bytes(llm, run: dict) -> float:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * llm.dtype.itemsize
+    kv_dtype = llm.runner.kv_dtype
+    scales = 4 if kv_dtype != llm.dtype else 0   # a quantized cache's fp32 scale per (slot, head) of K and of V
+    per_slot = 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim * kv_dtype.itemsize + scales)
     slots = (run["mean_decode_batch"] or 0) * (run["mean_decode_context"] or 0)
     return weights + slots * per_slot
 
@@ -432,6 +439,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-weights", metavar="SHAPE", choices=sorted(SHAPES),
                    help=f"random weights of a model shape: {', '.join(SHAPES)}")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                   help="auto: the model's dtype; int8 / fp8: a quantized KV cache")
     p.add_argument("--kv-cache-gb", type=float, help="KV pool size; default 4 on CUDA, 0.4 on the CPU "
                    "(paper, sweep), the engine's own in workload mode")
     p.add_argument("--input-len", type=int)
