@@ -21,6 +21,9 @@ ed (the paper's Algorithm 2) prefills with the whole cache and evicts only
 afterwards, so its teacher-forced numbers equal the full cache's by
 construction: it pays in the continuation, not in the perplexity.
 
+--kv-cache-dtype int8 fp8 repeats every run on an engine with that quantized
+KV cache (kernels/kv_store.py), each compared with the unquantized full cache.
+
 The table averages over documents; the JSON (--out, default docs/accuracy.json)
 holds every number per document, the settings and the environment.
 The target from issue 4: at a budget of 25% of the document, batchmax's
@@ -183,11 +186,12 @@ def continuation(tokens_per_run: list[list[int]]) -> list[dict]:
             for tokens in tokens_per_run]
 
 
-def evaluate_document(llm, token_ids: list[int], runs: list[tuple[str, int | None]],
+def evaluate_document(llms: dict[str, LLM], token_ids: list[int], runs: list[tuple[str, int | None]],
                       evict_every: int, cont_prompt: int, cont_tokens: int) -> list[dict]:
-    """Both measurements of one document for every (method, budget) run.
+    """Both measurements of one document for every (method, budget) run on the engine of
+    every kv_cache_dtype in llms, all against the first engine's first run (the full cache).
 
-    All requests go into one generate() call, so the engine batches them
+    All requests of an engine go into one generate() call, so the engine batches them
     continuously (the decode steps of the continuations ride along with the
     prefill chunks of the teacher-forced requests).
     """
@@ -198,10 +202,14 @@ def evaluate_document(llm, token_ids: list[int], runs: list[tuple[str, int | Non
     forced = [params(m, b, max_tokens=1, prompt_logprobs=True) for m, b in runs]
     greedy = [params(m, b, max_tokens=cont_tokens, ignore_eos=True) for m, b in runs]
     prompts = [token_ids] * len(runs) + [token_ids[:cont_prompt]] * len(runs)
-    outs = llm.generate(prompts, forced + greedy, use_tqdm=True)
-    scores = zip(teacher_forced([o.prompt_logprobs for o in outs[:len(runs)]]),
-                 continuation([o.token_ids for o in outs[len(runs):]]))
-    return [{"method": m, "budget": b, **f, **g} for (m, b), (f, g) in zip(runs, scores)]
+    labels, forced_outs, greedy_outs = [], [], []
+    for kv_cache_dtype, llm in llms.items():
+        outs = llm.generate(prompts, forced + greedy, use_tqdm=True)
+        labels += [(m, b, kv_cache_dtype) for m, b in runs]
+        forced_outs, greedy_outs = forced_outs + outs[:len(runs)], greedy_outs + outs[len(runs):]
+    scores = zip(teacher_forced([o.prompt_logprobs for o in forced_outs]),
+                 continuation([o.token_ids for o in greedy_outs]))
+    return [{"method": m, "budget": b, "kv_cache_dtype": kv, **f, **g} for (m, b, kv), (f, g) in zip(labels, scores)]
 
 
 # --- summary ---------------------------------------------------------------------------------
@@ -218,7 +226,7 @@ def summarise(results_per_doc: list[list[dict]], doc_tokens: int) -> list[dict]:
     for i, first in enumerate(results_per_doc[0]):
         column = {key: [results[i][key] for results in results_per_doc] for key in first}
         rows.append({
-            "method": first["method"], "budget": first["budget"],
+            "method": first["method"], "budget": first["budget"], "kv_cache_dtype": first.get("kv_cache_dtype", "auto"),
             "budget_pct": None if first["budget"] is None else 100 * first["budget"] / doc_tokens,
             "perplexity": _geometric_mean(column["perplexity"]),
             "ppl_ratio": _geometric_mean(column["ppl_ratio"]),
@@ -247,7 +255,7 @@ def verdict(summary: list[dict], doc_tokens: int, cont_tokens: int) -> dict:
     two are compared.
     """
     budget = round(TARGET_FRACTION * doc_tokens)
-    row = {(r["method"], r["budget"]): r for r in summary}
+    row = {(r["method"], r["budget"]): r for r in summary if r.get("kv_cache_dtype", "auto") == "auto"}
     bm, ed = row.get(("batchmax", budget)), row.get(("ed", budget))
     if bm is None or ed is None:
         return {"budget": budget, "met": None,
@@ -267,13 +275,15 @@ def verdict(summary: list[dict], doc_tokens: int, cont_tokens: int) -> dict:
 
 
 def format_table(summary: list[dict], cont_tokens: int) -> str:
-    header = (f"{'method':<11}{'budget':>7}{'% doc':>7}{'perplexity':>12}{'ppl/full':>10}"
+    header = (f"{'method':<15}{'budget':>7}{'% doc':>7}{'perplexity':>12}{'ppl/full':>10}"
               f"{'next-token agree':>18}{'greedy match':>14}{'common prefix':>15}")
     lines = [header, "-" * len(header)]
     for r in summary:
         budget = "-" if r["budget"] is None else str(r["budget"])
         pct = "-" if r["budget_pct"] is None else f"{r['budget_pct']:.1f}%"
-        lines.append(f"{r['method']:<11}{budget:>7}{pct:>7}{r['perplexity']:>12.3f}{r['ppl_ratio']:>10.3f}"
+        kv = r.get("kv_cache_dtype", "auto")
+        method = r["method"] + ("" if kv == "auto" else f" {kv}")
+        lines.append(f"{method:<15}{budget:>7}{pct:>7}{r['perplexity']:>12.3f}{r['ppl_ratio']:>10.3f}"
                      f"{r['agreement']:>17.1%} {r['greedy_match']:>10.1f}/{cont_tokens:<3}"
                      f"{r['common_prefix']:>15.1f}")
     return "\n".join(lines)
@@ -301,6 +311,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice); on cores shared with other "
                              "jobs, 1 can be several times faster than threads that wait for each other")
+    parser.add_argument("--kv-cache-dtype", nargs="*", default=[], choices=["int8", "fp8"],
+                        help="quantized KV caches whose runs are compared with the unquantized full cache too")
     parser.add_argument("--out", default="docs/accuracy.json", help="where the JSON goes")
     return parser.parse_args(argv)
 
@@ -312,8 +324,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     cont_prompt = min(args.cont_prompt, args.doc_tokens)
     started = time.perf_counter()
-    llm = LLM(args.model, dtype="float32", kv_cache_gb=args.kv_cache_gb,
-              max_model_len=args.doc_tokens + args.cont_tokens)
+    llms = {kv_cache_dtype: LLM(args.model, dtype="float32", kv_cache_gb=args.kv_cache_gb,
+                                max_model_len=args.doc_tokens + args.cont_tokens, kv_cache_dtype=kv_cache_dtype)
+            for kv_cache_dtype in ["auto", *args.kv_cache_dtype]}
+    llm = llms["auto"]
     documents = load_documents(llm.tokenizer.encode, args.docs, args.doc_tokens)
     runs = [(FULL, None)] + [(m, b) for m in args.methods for b in args.budgets]
 
@@ -322,7 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"document {i}/{len(documents)}: {doc.name} ({doc.kind}, {len(doc.token_ids)} tokens)",
               file=sys.stderr)
         doc_started = time.perf_counter()
-        results = evaluate_document(llm, doc.token_ids, runs, args.evict_every, cont_prompt, args.cont_tokens)
+        results = evaluate_document(llms, doc.token_ids, runs, args.evict_every, cont_prompt, args.cont_tokens)
         per_doc.append({"name": doc.name, "kind": doc.kind, "results": results,
                         "seconds": round(time.perf_counter() - doc_started, 1)})
     summary = summarise([d["results"] for d in per_doc], args.doc_tokens)
@@ -339,7 +353,8 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {"model": args.model or "bundled:SmolLM2-135M-Instruct", "dtype": "float32",
                      "docs": len(documents), "doc_tokens": args.doc_tokens, "budgets": args.budgets,
                      "methods": args.methods, "evict_every": args.evict_every,
-                     "cont_prompt": cont_prompt, "cont_tokens": args.cont_tokens},
+                     "cont_prompt": cont_prompt, "cont_tokens": args.cont_tokens,
+                     "kv_cache_dtypes": ["auto", *args.kv_cache_dtype]},
         "environment": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         "torch": torch.__version__, "python": platform.python_version(),
                         "device": str(llm.runner.device), "machine": platform.machine(),

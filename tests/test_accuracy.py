@@ -120,3 +120,13 @@ def test_end_to_end_on_the_bundled_model(bundled_dir, tmp_path, capsys):
     assert roomy["greedy_match"] == roomy["common_prefix"] == 8
     assert rows["batchmax", 128]["perplexity"] != full["perplexity"]   # it did evict
     assert "perplexity" in capsys.readouterr().out                      # the table was printed
+
+
+def test_quantized_caches_are_compared_with_the_unquantized_full_cache(bundled_dir, tmp_path):
+    report = accuracy.main(["--model", str(bundled_dir), "--docs", "1", "--doc-tokens", "64", "--budgets", "32", "--evict-every", "16",
+                            "--methods", "batchmax", "--cont-prompt", "32", "--cont-tokens", "2",
+                            "--kv-cache-dtype", "int8", "--kv-cache-gb", "0.05", "--out", str(tmp_path / "acc.json")])
+    rows = {(r["method"], r["kv_cache_dtype"]): r for r in report["summary"]}
+    assert set(rows) == {(m, kv) for m in ("full", "batchmax") for kv in ("auto", "int8")}
+    assert rows["full", "auto"]["ppl_ratio"] == 1.0
+    assert rows["full", "int8"]["ppl_ratio"] != 1.0 and rows["full", "int8"]["agreement"] > 0.9
