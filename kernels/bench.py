@@ -20,6 +20,7 @@ from triton.testing import do_bench
 from kernels import decode_num_splits, decode_workspace_for
 from kernels.attention_triton import paged_attention_triton
 from kernels.decode_attention import decode_workspace, paged_decode_attention_triton
+from kernels.kv_store import quantize
 from kernels.activation import silu_and_mul_triton
 from kernels.norm import rms_norm_triton
 from kernels.rope import apply_rope_triton, rope_cos_sin_cache
@@ -59,15 +60,21 @@ def contiguous_kv(k_cache, tables, ctx):
     return pages.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D)[:, :, :ctx].contiguous()
 
 
-def decode_times(batch: int, ctx: int) -> tuple[float, float]:
-    """(nanokv, SDPA flash) milliseconds of one decode attention, Hq=32, Hkv=8, D=128, block 16."""
+def decode_times(batch: int, ctx: int, int8: bool = False) -> tuple[float, float]:
+    """(nanokv, SDPA flash) milliseconds of one decode attention, Hq=32, Hkv=8, D=128, block 16,
+    bf16 queries; int8: over the cache quantized to int8 (SDPA still reads the bf16 values)."""
     hq, hkv, d, block = 32, 8, 128, 16
     k, v, tables = paged_kv(batch, ctx, hkv, d, block, torch.bfloat16)
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     splits = decode_num_splits(batch, hkv, ctx)
     work = decode_workspace(batch * hq * splits, d, "cuda")
-    t = ms(lambda: paged_decode_attention_triton(q, k, v, tables, lens, d ** -0.5, splits, workspace=work))
+    cache, scales = (k, v), None
+    if int8:
+        (k8, k_scale), (v8, v_scale) = quantize(k, torch.int8), quantize(v, torch.int8)
+        cache, scales = (k8, v8), torch.stack([k_scale, v_scale], dim=-1)
+    t = ms(lambda: paged_decode_attention_triton(q, *cache, tables, lens, d ** -0.5, splits, workspace=work,
+                                                 kv_scales=scales))
     kc, vc = contiguous_kv(k, tables, ctx), contiguous_kv(v, tables, ctx)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         t_sdpa = ms(lambda: F.scaled_dot_product_attention(q.view(batch, hq, 1, d), kc, vc, enable_gqa=True))
@@ -75,15 +82,18 @@ def decode_times(batch: int, ctx: int) -> tuple[float, float]:
 
 
 def bench_decode(bw: float, quick: bool) -> list[str]:
-    rows = ["| batch | context | nanokv µs | GB/s | % of copy bw | SDPA flash µs | nanokv / SDPA time |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
-    for batch in (1, 16, 64, 128):
-        for ctx in ((1024, 4096) if quick else (1024, 4096, 16384)):
-            t, t_sdpa = decode_times(batch, ctx)
-            torch.cuda.empty_cache()
-            nbytes = 2 * batch * ctx * 8 * 128 * 2   # K and V, bf16
-            rows.append(f"| {batch} | {ctx} | {t * 1e3:.1f} | {nbytes / t / 1e6:.0f} | "
-                        f"{100 * nbytes / (t * 1e-3) / bw:.0f}% | {t_sdpa * 1e3:.1f} | {t / t_sdpa:.2f} |")
+    """GB/s: the bytes of K and V read (an int8 cache: its values and fp32 scales) over the time."""
+    rows = ["| cache | batch | context | nanokv µs | GB/s | % of copy bw | SDPA flash (bf16) µs | nanokv / SDPA time |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for int8 in (False, True):
+        for batch in (64, 128) if int8 and quick else (1, 16, 64, 128):   # --quick: the gpu report's time limit
+            for ctx in ((1024, 4096) if quick else (1024, 4096, 16384)):
+                t, t_sdpa = decode_times(batch, ctx, int8)
+                torch.cuda.empty_cache()
+                nbytes = 2 * batch * ctx * 8 * (128 + 4 if int8 else 128 * 2)   # K and V (+ scales)
+                rows.append(f"| {'int8' if int8 else 'bf16'} | {batch} | {ctx} | {t * 1e3:.1f} | "
+                            f"{nbytes / t / 1e6:.0f} | {100 * nbytes / (t * 1e-3) / bw:.0f}% | {t_sdpa * 1e3:.1f} | "
+                            f"{t / t_sdpa:.2f} |")
     return rows
 
 
@@ -173,7 +183,8 @@ def main() -> None:
           f"torch {torch.__version__}")
     bw, flops = copy_bandwidth(), matmul_flops()
     print(f"\nceilings: copy {bw / 1e9:.0f} GB/s (read + write), bf16 matmul 8192^3 {flops / 1e12:.0f} TFLOP/s\n")
-    for title, rows in (("decode attention (bf16, Hq=32, Hkv=8, D=128, block 16)", bench_decode(bw, args.quick)),
+    for title, rows in (("decode attention (bf16 queries, bf16 and int8 caches, Hq=32, Hkv=8, D=128, block 16)",
+                         bench_decode(bw, args.quick)),
                         ("prefill attention (bf16, Hq=32, Hkv=8, D=128, block 16)", bench_prefill()),
                         ("elementwise", bench_elementwise(bw)),
                         ("decode step", bench_decode_step(bw))):

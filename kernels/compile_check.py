@@ -250,7 +250,9 @@ def default_cases() -> dict[str, Callable[[], None]]:
     # Quantized caches: each format with every attention kernel and the store.
     for shape, dtype, cache in (("llama-3.1-8b", "bf16", "int8"), ("smollm2-135m", "fp16", "fp8")):
         tag = f"{shape} {dtype} block 16, {cache} cache"
-        cases[f"decode + scores, {tag}"] = _attention_case("decode", shape, dtype, 16, scores=True, cache=cache)
+        for scores in (False, True) if cache == "int8" else (True,):   # int8 without scores: kernels.bench's
+            cases[f"decode{' + scores' if scores else ''}, {tag}"] = _attention_case(
+                "decode", shape, dtype, 16, scores=scores, cache=cache)
         cases[f"key scores 512, {tag}"] = _attention_case("key_scores", shape, dtype, 16, query_len=512,
                                                           cache=cache)
         cases[f"store, {tag}"] = _store_case(shape, dtype, cache)

@@ -51,14 +51,16 @@ def test_bucket_sizes():
     assert graph_batch_sizes(3) == [1, 2, 3]
 
 
-def test_replayed_decode_steps_match_eager(tmp_path, recorded_graphs):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_replayed_decode_steps_match_eager(tmp_path, recorded_graphs, kv_cache_dtype):
     make_tiny_model(tmp_path, "llama")
     prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (5, 30, 47, 64, 90)]
     params = [SamplingParams(temperature=0, max_tokens=25, ignore_eos=True, kv_method=m, kv_budget=32,
                              evict_every=16) for m in ("full", "batchmax", "full", "ed", "decode_only")]
     outs = []
     for graphed in (False, True):
-        llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=160, max_num_seqs=12)
+        llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=160, max_num_seqs=12,
+                  kv_cache_dtype=kv_cache_dtype)
         if graphed:
             llm.runner.graphs = DecodeGraphs(llm.runner.model, llm.runner.kv_cache, llm.runner.decode_workspace, 12, 10, 160)
             assert set(llm.runner.graphs.graphs) == {(bs, s) for bs in (1, 2, 4, 8, 12) for s in (True, False)}
