@@ -241,7 +241,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     shared by all layers and all captured batch sizes. out: where to write
     (a [B, Hq, D] view), else a new tensor. kv_scales: a quantized cache's (kernels/kv_store.py).
     """
-    kv_scale_buffer = _check_cache(q, k_cache, v_cache, kv_scales)
+    scales = _check_cache(q, k_cache, v_cache, kv_scales)
     B, Hq, D = q.shape
     num_blocks, Hkv, block_size = k_cache.shape[:3]
     G = Hq // Hkv
@@ -271,9 +271,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     common = dict(HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
                   G=G, BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT)
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, kernel_view(k_cache), kernel_view(v_cache), kv_scale_buffer, block_tables, context_lens,
+        q, kernel_view(k_cache), kernel_view(v_cache), scales, block_tables, context_lens,
         part_out, part_lse, logits, scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *kv_scale_buffer.stride()[:3],
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *scales.stride()[:3],
         *table_strides,
         *part_out.stride()[:3], *part_lse.stride()[:2], *logits.stride()[:2],
         BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(G)),

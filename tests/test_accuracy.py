@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers import make_tiny_model
 from nanokv import accuracy
 from nanokv.accuracy import Source
 
@@ -122,8 +123,9 @@ def test_end_to_end_on_the_bundled_model(bundled_dir, tmp_path, capsys):
     assert "perplexity" in capsys.readouterr().out                      # the table was printed
 
 
-def test_quantized_caches_are_compared_with_the_unquantized_full_cache(bundled_dir, tmp_path):
-    report = accuracy.main(["--model", str(bundled_dir), "--docs", "1", "--doc-tokens", "64", "--budgets", "32", "--evict-every", "16",
+def test_quantized_caches_are_compared_with_the_unquantized_full_cache(tmp_path):
+    make_tiny_model(tmp_path, "llama")
+    report = accuracy.main(["--model", str(tmp_path), "--docs", "1", "--doc-tokens", "64", "--budgets", "32", "--evict-every", "16",
                             "--methods", "batchmax", "--cont-prompt", "32", "--cont-tokens", "2",
                             "--kv-cache-dtype", "int8", "--kv-cache-gb", "0.05", "--out", str(tmp_path / "acc.json")])
     rows = {(r["method"], r["kv_cache_dtype"]): r for r in report["summary"]}
