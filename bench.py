@@ -55,7 +55,7 @@ from tqdm import tqdm
 from models.shapes import SHAPES
 from nanokv import LLM, SamplingParams
 from nanokv.bench_hf import bench_vs_hf
-from nanokv.eviction import METHODS
+from nanokv.eviction import parse_spec
 from nanokv.kv_cache import KVCache
 from nanokv.runner import Timings
 
@@ -79,7 +79,7 @@ MODE_DEFAULTS = {
 # ----- what runs -------------------------------------------------------------------------
 
 class Method(NamedTuple):
-    name: str            # a kv_method (nanokv/eviction: full, batchmax, h2o, ..., decode_only, ed)
+    name: str            # RANKING[@SCHEDULE][,KEY=INT...] (nanokv.eviction.parse_spec): batchmax, h2o@prefill, ...
     budget: int | None   # |kv|; None for full
 
     @property
@@ -93,8 +93,10 @@ def label(record: dict) -> str:
 
 def method_list(names: list[str], budgets: list[int], ed_budgets: list[int]) -> list[Method]:
     """Every named method at each of its budgets: ed at --ed-budgets, the others at --budgets."""
-    return [Method(name, budget) for name in names
-            for budget in ([None] if name == "full" else ed_budgets if name == "ed" else budgets)]
+    def budgets_of(name):
+        ranking = parse_spec(name)["kv_method"]
+        return [None] if ranking == "full" else ed_budgets if ranking == "ed" else budgets
+    return [Method(name, budget) for name in names for budget in budgets_of(name)]
 
 
 def same_shape(n: int, input_len: int, output_len: int, method: Method, evict_every: int, vocab: int):
@@ -117,8 +119,9 @@ def workload(n: int = 256, seed: int = 0, vocab: int = 10000) -> list[tuple[list
 
 
 def sampling(method: Method, max_tokens: int, evict_every: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, kv_method=method.name,
-                          kv_budget=method.budget, evict_every=evict_every)
+    eviction = {} if method.budget is None else {"kv_budget": method.budget, "evict_every": evict_every}
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0,
+                          **{**eviction, **parse_spec(method.name)})
 
 
 def make_llm(args, max_model_len: int, **options) -> LLM:
@@ -423,6 +426,14 @@ def plot(records: list[dict], path: str) -> None:
 
 # ----- command line ----------------------------------------------------------------------
 
+def method_spec(spec: str) -> str:
+    try:
+        parse_spec(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags, with defaults that depend on the mode and the preset (the preset's win)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -436,7 +447,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(paper, sweep), the engine's own in workload mode")
     p.add_argument("--input-len", type=int)
     p.add_argument("--output-len", type=int)
-    p.add_argument("--methods", nargs="+", choices=METHODS, help="kv_methods, each under its default schedule")
+    p.add_argument("--methods", nargs="+", type=method_spec, help="methods: RANKING[@SCHEDULE][,KEY=INT...], "
+                   "KEY in sinks, recent, window, pool, every (e.g. full batchmax h2o@prefill,sinks=4)")
     p.add_argument("--budgets", type=int, nargs="+", default=[1024, 512], help="|kv| of every method but ed")
     p.add_argument("--ed-budgets", type=int, nargs="+", default=[2, 65], help="|kv| of ed")
     p.add_argument("--evict-every", type=int, default=64, help="p, pairs evicted at a time")

@@ -110,9 +110,10 @@ class EngineConfig:
     seed: int = 0                       # for requests that give no seed of their own
     enforce_eager: bool = False         # CUDA: no decode graphs (debugging, profiling)
     # Defaults for requests whose SamplingParams leave them unset (nanokv/eviction/).
-    kv_method: str = "full"             # a ranking (METHODS): "full", "batchmax", "h2o", ...
+    kv_method: str | None = None        # a ranking (METHODS): "full", "batchmax", "h2o", ...; None: full,
+                                        # or with a kv_budget the default evicting method (eviction.BUDGET_ONLY)
     kv_schedule: str | None = None      # "prefill", "decode" or "once"; None: the ranking's own
-    kv_budget: int = 1024               # |kv|: most KV pairs kept per KV head
+    kv_budget: int | None = None        # |kv|: most KV pairs kept per KV head; None: 1024 for a named method
     evict_every: int = 64               # p: pairs evicted at a time
     kv_sinks: int | None = None         # first positions never evicted; None: the ranking's default
     kv_recent: int | None = None        # most recent pairs never evicted; None: the ranking's default
@@ -137,9 +138,9 @@ class EngineConfig:
         check_int("max_model_len", self.max_model_len, 2, optional=True)
         check_int("seed", self.seed, *SEED_RANGE)
         check_bool("enforce_eager", self.enforce_eager)
-        check_choice("kv_method", self.kv_method, METHODS)   # LLM checks the method's budget with make_method
+        check_choice("kv_method", self.kv_method, METHODS, optional=True)   # LLM checks the rest with make_method
         check_choice("kv_schedule", self.kv_schedule, SCHEDULE_NAMES, optional=True)
-        check_int("kv_budget", self.kv_budget, 1)
+        check_int("kv_budget", self.kv_budget, 1, optional=True)
         check_int("evict_every", self.evict_every, 1)
         check_int("kv_sinks", self.kv_sinks, 0, optional=True)
         check_int("kv_recent", self.kv_recent, 0, optional=True)

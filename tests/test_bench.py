@@ -71,6 +71,19 @@ def test_presets_and_mode_defaults():
     assert bench.parse_args(["--mode", "hf"]).output_len == 128
 
 
+def test_methods_take_a_schedule_and_settings():
+    args = bench.parse_args(["--methods", "full", "h2o@prefill,sinks=4", "ed", "--budgets", "256",
+                             "--ed-budgets", "2"])
+    methods = bench.method_list(args.methods, args.budgets, args.ed_budgets)
+    assert [m.label for m in methods] == ["full", "h2o@prefill,sinks=4 |kv|=256", "ed |kv|=2"]
+    params = bench.sampling(methods[1], 8, evict_every=64)
+    assert (params.kv_method, params.kv_schedule, params.kv_sinks, params.kv_budget, params.evict_every) \
+        == ("h2o", "prefill", 4, 256, 64)
+    assert bench.sampling(methods[0], 8, evict_every=64).kv_budget is None
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--methods", "h2o@sometimes"])
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
