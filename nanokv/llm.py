@@ -193,7 +193,12 @@ class LLM:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("requests are waiting but none can be scheduled")
             return []
-        sampled = self.runner.run(batch)
+        try:
+            sampled = self.runner.run(batch)
+        except Exception:
+            if self.blocks.cache is not None:
+                self.blocks.cache.forget_pending()
+            raise
         failed = self._take_sampling_failures(sampled)
         done = {seq.seq_id: reason for seq, reason in self.scheduler.update(batch, sampled)}
         outputs = [self._fail(self.requests[seq_id], error) for seq_id, error in failed.items()]

@@ -13,9 +13,10 @@ recomputed from its tokens when there is room.
 Prefix caching (nanokv/prefix_cache.py): a sequence is admitted with the
 longest run of cached full blocks that starts its tokens already computed, as
 far as its method allows (KVMethod.reusable_tokens). A sequence that never
-evicts shares those blocks, and enters its own full blocks into the cache as
-they fill; one that evicts writes into its blocks (compaction, scores), so it
-takes a copy of them and enters nothing. A shared block is never written.
+evicts shares those blocks, and enters its own full blocks into the cache in
+the step that fills them; one that evicts writes into its blocks (compaction,
+scores), so it takes a copy of computed ones and enters nothing. A block is
+written once, by the sequence that fills it: a shared block is never modified.
 """
 from __future__ import annotations
 
@@ -81,6 +82,9 @@ class Scheduler:
             self._admit(seq, hits, needed, batch)
             self.running.append(seq)
             budget -= self._plan(seq, budget, batch)
+        # Blocks to copy were held so that no allocation above reclaimed them; none happens
+        # between here and the runner's copy at the start of the step.
+        self.blocks.free([cached for cached, _ in batch.copies])
         return batch
 
     def _cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
@@ -89,7 +93,7 @@ class Scheduler:
         if self.blocks.cache is None or seq.prompt_logprobs is not None:
             return []
         limit = min(seq.method.reusable_tokens(seq), seq.num_tokens - 1)
-        return self.blocks.cache.match(seq.token_ids, limit)
+        return self.blocks.cache.match(seq.token_ids, limit, computed=seq.method.ranking is not None)
 
     def _admit(self, seq: Sequence, hits: list[tuple[int, int]], needed: int, batch: ScheduledBatch) -> None:
         cached = [block for block, _ in hits]
@@ -98,7 +102,7 @@ class Scheduler:
         if seq.method.ranking is None:
             seq.block_table = cached + own
             seq.prefix_serials = [serial for _, serial in hits]
-        else:   # held until the runner has copied them (update() lets go)
+        else:   # a copy of its own, made by the runner
             seq.block_table = own
             batch.copies += zip(cached, own)
         seq.num_computed_tokens = seq.num_kv_slots = len(cached) * self.blocks.block_size
@@ -118,6 +122,9 @@ class Scheduler:
             seq.num_kv_slots = slots   # the runner compacts before the forward pass
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
+        full = (seq.num_computed_tokens + n) // self.blocks.block_size
+        if self.blocks.cache is not None and seq.method.ranking is None and full > len(seq.prefix_serials):
+            self.blocks.cache.add(seq.prefix_serials, seq.block_table, seq.token_ids, seq.num_computed_tokens + n)
         return n
 
     def _make_room(self, seq: Sequence, num_slots: int) -> bool:
@@ -145,16 +152,12 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[tuple[Sequence, str]]:
         """Record the step: tokens computed, blocks emptied by eviction, tokens sampled
-        (seq_id -> token). Returns the sequences now done, with why; the caller finishes them.
-        Full blocks of sequences that never evict go into the prefix cache."""
-        self.blocks.free([cached for cached, _ in batch.copies])
-        cache = self.blocks.cache
+        (seq_id -> token). Returns the sequences now done, with why; the caller finishes them."""
+        if self.blocks.cache is not None:
+            self.blocks.cache.pending.clear()   # the blocks the step filled are computed
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             seq.num_kv_slots += n
-            full = seq.num_computed_tokens // self.blocks.block_size
-            if cache is not None and seq.method.ranking is None and full > len(seq.prefix_serials):
-                cache.add(seq.prefix_serials, seq.block_table, seq.token_ids, seq.num_computed_tokens)
         for eviction in batch.evictions:   # compacted: trailing blocks beyond its steady size go back
             seq = eviction.seq
             keep = self.blocks.blocks_for(max(seq.num_kv_slots, seq.method.steady_slots(seq)))

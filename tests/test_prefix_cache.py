@@ -68,6 +68,36 @@ def test_shared_system_prompt_chat_turns_and_block_boundaries_match_no_caching(t
     assert cached == [[0, 32, 32], [32, 32], [32, 48], [32], [48]]
 
 
+def test_a_batch_with_a_new_common_prefix_computes_it_once(tiny_dir):
+    system = tokens(40, seed=8)
+    prompts = [system + tokens(n, seed=80 + n) for n in (3, 9, 17)]
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, kv_method="streamingllm",
+                                             kv_budget=32, evict_every=16)]
+    outs = {caching: engine(tiny_dir, caching).generate(prompts, params) for caching in (False, True)}
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    # The first computes the prefix; the second shares its blocks in that same step; the third
+    # evicts, so it would copy them, and a copy takes computed blocks only.
+    assert [o.num_cached_tokens for o in outs[True]] == [0, 32, 0]
+
+
+def test_a_failed_step_leaves_no_uncomputed_block_in_the_cache(tiny_dir, monkeypatch):
+    llm = engine(tiny_dir, True)
+    prompt = tokens(40, seed=9)
+    request = llm.add_request(prompt, GREEDY)
+
+    def failing(batch):
+        raise RuntimeError("the device fell over")
+    monkeypatch.setattr(llm.runner, "run", failing)
+    with pytest.raises(RuntimeError, match="fell over"):
+        llm.step()
+    monkeypatch.undo()
+    llm.abort(request)
+    check_books(llm)
+    assert not llm.blocks.cache.index
+    out = llm.generate([prompt], GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == engine(tiny_dir, False).generate([prompt], GREEDY)[0].token_ids
+
+
 def test_off_computes_every_token(tiny_dir):
     llm = engine(tiny_dir, False)
     prompt = tokens(40, seed=4)
