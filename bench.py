@@ -125,8 +125,11 @@ def sampling(method: Method, max_tokens: int, evict_every: int) -> SamplingParam
 
 
 def make_llm(args, max_model_len: int, **options) -> LLM:
-    """The engine for this bench, with a pool of --kv-cache-gb (the engine's default if None)."""
+    """The engine for this bench, with a pool of --kv-cache-gb (the engine's default if None).
+    No prefix caching unless asked for: the modes that compare methods repeat their prompts,
+    and a cache would serve later runs from earlier ones."""
     model = f"random:{args.random_weights}" if args.random_weights else args.model
+    options.setdefault("enable_prefix_caching", False)
     return LLM(model, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, max_model_len=max_model_len,
                block_size=args.block_size, enforce_eager=args.enforce_eager, **options)
 

@@ -2,8 +2,7 @@
 
 Two workloads of random token ids, greedy, EOS ignored, each on a fresh engine per setting:
 - shared prefix: N requests, each a common prefix of S tokens and U tokens of its own,
-  all submitted at once (the requests admitted in the first step all compute the prefix:
-  a block enters the cache once it is computed);
+  all submitted at once (the first computes the prefix, the others share its blocks);
 - chat: T turns of one conversation, each turn's prompt the whole conversation so far
   (every earlier message and reply) and a new message of U tokens.
 Time to first token is from submission to a request's first output token.

@@ -20,8 +20,8 @@ from nanokv.checks import check_token_ids
 from nanokv.config import EngineConfig, ModelConfig, resolve_dtype
 from nanokv.kv_cache import BlockManager
 import models.shapes as shapes   # a module import: models.shapes itself imports nanokv.config
-from nanokv.prefix_cache import PrefixCache
 from nanokv.loader import load_model, resolve_model_path
+from nanokv.prefix_cache import PrefixCache
 from nanokv.runner import ModelRunner
 from nanokv.sampling import FAILED, SamplingParams
 from nanokv.scheduler import Scheduler

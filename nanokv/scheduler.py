@@ -72,20 +72,30 @@ class Scheduler:
                 budget -= self._plan(seq, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            hits = self._cached_prefix(seq)
-            shares = seq.method.ranking is None
-            needed = self.blocks.blocks_for(seq.method.reserve_slots(seq)) - (len(hits) if shares else 0)
-            held_now = sum(self.blocks.ref_counts[block] == 0 for block, _ in hits)   # no longer reclaimable
-            if not self.blocks.can_allocate(needed + held_now):
+            room = self._room_for(seq)
+            if room is None:
                 break
             self.waiting.popleft()
-            self._admit(seq, hits, needed, batch)
+            self._admit(seq, *room, batch)
             self.running.append(seq)
             budget -= self._plan(seq, budget, batch)
         # Blocks to copy were held so that no allocation above reclaimed them; none happens
         # between here and the runner's copy at the start of the step.
         self.blocks.free([cached for cached, _ in batch.copies])
         return batch
+
+    def _room_for(self, seq: Sequence) -> tuple[list[tuple[int, int]], int] | None:
+        """The cached blocks seq starts with and the number of blocks to allocate for it; None
+        if the pool cannot take it now. A cached block no one holds counts as free until seq
+        takes it; one that copies holds its sources while its own blocks are allocated, so it
+        copies fewer rather than wait."""
+        hits = self._cached_prefix(seq)
+        shares = seq.method.ranking is None
+        needed = self.blocks.blocks_for(seq.method.reserve_slots(seq)) - (len(hits) if shares else 0)
+        taken = sum(self.blocks.ref_counts[block] == 0 for block, _ in hits)
+        while hits and not shares and not self.blocks.can_allocate(needed + taken):
+            taken -= self.blocks.ref_counts[hits.pop()[0]] == 0
+        return (hits, needed) if self.blocks.can_allocate(needed + taken) else None
 
     def _cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
         """(block, cache entry) of the cached blocks seq may start with. At least one token is

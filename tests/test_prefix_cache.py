@@ -142,6 +142,23 @@ def test_an_aborted_request_lets_go_of_its_blocks(tiny_dir):
     assert not any(llm.blocks.ref_counts) and llm.blocks.num_free == 64
 
 
+def test_a_copy_that_does_not_fit_copies_fewer_blocks(tiny_dir):
+    """An evicting request holds the cached blocks it copies while its own are allocated: in a
+    pool too small for both it copies fewer (here 1 of 4) instead of waiting forever."""
+    prefix = tokens(64, seed=10)
+    prompt = prefix + tokens(40, seed=11)   # 7 blocks reserved: the prompt is read with a full cache
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, kv_method="knorm",
+                            kv_schedule="decode", kv_budget=64, evict_every=16, return_kept_positions=True)
+    outs = {}
+    for caching in (False, True):
+        llm = engine(tiny_dir, caching, num_kv_blocks=8, max_model_len=128)
+        llm.generate([prefix + [1]], GREEDY)   # leaves 4 cached blocks no one holds
+        outs[caching] = llm.generate([prompt], params)[0]
+    assert outs[True].num_cached_tokens == 16
+    assert outs[True].token_ids == outs[False].token_ids
+    assert torch.equal(outs[True].kept_positions, outs[False].kept_positions)
+
+
 def test_pool_pressure_reclaims_the_least_recently_used_first():
     cache = PrefixCache(2, ("model", "torch.float32"))
     blocks = BlockManager(6, 2, cache)
