@@ -461,9 +461,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-lens", type=int, nargs="*", default=[100, 1000, 4000],
                    help="hf: prompt lengths of the batch-1 table (none: no table)")
     p.add_argument("--chat-tokens", type=int, default=64, help="hf: new tokens per batch-1 request")
-    p.add_argument("--suffix-len", type=int, default=32, help="prefix: each request's own tokens after the "
+    p.add_argument("--suffix-len", type=int, default=64, help="prefix: each request's own tokens after the "
                    "shared prefix (--input-len), and each chat message")
-    p.add_argument("--turns", type=int, default=6, help="prefix: chat turns")
+    p.add_argument("--turns", type=int, default=8, help="prefix: chat turns")
     p.add_argument("--out", help="append one JSON line per run here (sweep default: bench.jsonl)")
     p.add_argument("--plot", metavar="PNG", help="tokens/s and peak KV memory against batch size")
     p.add_argument("--report", default="gpu-report.md", help="gpu-report: where the markdown report goes")
