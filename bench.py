@@ -4,6 +4,7 @@
     python bench.py --preset cpu-small   paper mode at toy sizes, on the bundled model, for a CPU
     python bench.py --mode workload      nano-vllm's workload (256 requests), with and without eviction
     python bench.py --mode sweep         methods x budgets x batches x input lengths, as JSON lines
+    python bench.py --mode prefix        prefix caching on and off: a shared prefix, a chat (nanokv/bench_prefix.py)
     python bench.py --mode hf            nanokv against HF transformers `generate` on the CPU
                                          (batch 8, and batch 1 at three prompt lengths: nanokv/bench_hf.py)
     python bench.py --mode gpu-report --report gpu.md
@@ -55,6 +56,7 @@ from tqdm import tqdm
 from models.shapes import SHAPES
 from nanokv import LLM, SamplingParams
 from nanokv.bench_hf import bench_vs_hf
+from nanokv.bench_prefix import bench_prefix
 from nanokv.eviction import parse_spec
 from nanokv.kv_cache import KVCache
 from nanokv.runner import Timings
@@ -73,6 +75,7 @@ MODE_DEFAULTS = {
     "sweep": dict(input_len=3584, output_len=512, methods=["full", "ed", "batchmax", "decode_only"]),
     "workload": dict(num_requests=256, methods=["full", "batchmax"], max_num_batched_tokens=16384),
     "gpu-report": {},
+    "prefix": dict(num_requests=8, input_len=512, output_len=16),
 }
 
 
@@ -125,8 +128,11 @@ def sampling(method: Method, max_tokens: int, evict_every: int) -> SamplingParam
 
 
 def make_llm(args, max_model_len: int, **options) -> LLM:
-    """The engine for this bench, with a pool of --kv-cache-gb (the engine's default if None)."""
+    """The engine for this bench, with a pool of --kv-cache-gb (the engine's default if None).
+    No prefix caching unless asked for: the modes that compare methods repeat their prompts,
+    and a cache would serve later runs from earlier ones."""
     model = f"random:{args.random_weights}" if args.random_weights else args.model
+    options.setdefault("enable_prefix_caching", False)
     return LLM(model, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, max_model_len=max_model_len,
                block_size=args.block_size, enforce_eager=args.enforce_eager, **options)
 
@@ -437,7 +443,7 @@ def method_spec(spec: str) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags, with defaults that depend on the mode and the preset (the preset's win)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["paper", "workload", "sweep", "hf", "gpu-report"])
+    p.add_argument("--mode", choices=["paper", "workload", "sweep", "hf", "gpu-report", "prefix"])
     p.add_argument("--preset", choices=sorted(PRESETS))
     p.add_argument("--model", default=None, help="HF directory or hub id (default: the bundled SmolLM2-135M)")
     p.add_argument("--random-weights", metavar="SHAPE", choices=sorted(SHAPES),
@@ -467,6 +473,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-lens", type=int, nargs="*", default=[100, 1000, 4000],
                    help="hf: prompt lengths of the batch-1 table (none: no table)")
     p.add_argument("--chat-tokens", type=int, default=64, help="hf: new tokens per batch-1 request")
+    p.add_argument("--suffix-len", type=int, default=64, help="prefix: each request's own tokens after the "
+                   "shared prefix (--input-len), and each chat message")
+    p.add_argument("--turns", type=int, default=8, help="prefix: chat turns")
     p.add_argument("--out", help="append one JSON line per run here (sweep default: bench.jsonl)")
     p.add_argument("--plot", metavar="PNG", help="tokens/s and peak KV memory against batch size")
     p.add_argument("--report", default="gpu-report.md", help="gpu-report: where the markdown report goes")
@@ -499,7 +508,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f.write(json.dumps(rec) + "\n")
 
     start = time.perf_counter()
-    records = {"paper": bench_paper, "workload": bench_workload, "sweep": bench_sweep}[args.mode](args, save)
+    modes = {"paper": bench_paper, "workload": bench_workload, "sweep": bench_sweep,
+             "prefix": lambda args, save: bench_prefix(args, save, make_llm, run_context)}
+    records = modes[args.mode](args, save)
     if args.plot:
         plot(records, args.plot)
     print(f"\n{time.perf_counter() - start:.0f} s in all")

@@ -109,6 +109,7 @@ class EngineConfig:
     max_model_len: int | None = None    # prompt + output limit; default: the model's context
     seed: int = 0                       # for requests that give no seed of their own
     enforce_eager: bool = False         # CUDA: no decode graphs (debugging, profiling)
+    enable_prefix_caching: bool = True  # prompts that start alike share the KV blocks of their common start
     # Defaults for requests whose SamplingParams leave them unset (nanokv/eviction/).
     kv_method: str | None = None        # a ranking (METHODS): "full", "batchmax", "h2o", ...; None: full,
                                         # or with a kv_budget the default evicting method (eviction.BUDGET_ONLY)
@@ -138,6 +139,7 @@ class EngineConfig:
         check_int("max_model_len", self.max_model_len, 2, optional=True)
         check_int("seed", self.seed, *SEED_RANGE)
         check_bool("enforce_eager", self.enforce_eager)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("kv_method", self.kv_method, METHODS, optional=True)   # LLM checks the rest with make_method
         check_choice("kv_schedule", self.kv_schedule, SCHEDULE_NAMES, optional=True)
         check_int("kv_budget", self.kv_budget, 1, optional=True)

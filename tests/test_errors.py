@@ -171,6 +171,7 @@ def test_unknown_engine_option_and_dtype(tiny_dir):
     (dict(seed=2**64), ValueError, r"seed must be an integer in \[-9223372036854775808, 18446744073709551615\]"),
     (dict(seed=None), TypeError, "seed must be an integer in"),
     (dict(enforce_eager="no"), TypeError, "enforce_eager must be True or False, got 'no'"),
+    (dict(enable_prefix_caching=1), TypeError, "enable_prefix_caching must be True or False, got 1"),
     (dict(kv_method=1), TypeError, "unknown kv_method 1; use one of full, batchmax, h2o, tova, snapkv, streamingllm, knorm, decode_only, ed or None"),
     (dict(kv_budget=True), TypeError, "kv_budget must be None or an integer >= 1, got True"),
     (dict(evict_every=0), ValueError, "evict_every must be an integer >= 1, got 0"),

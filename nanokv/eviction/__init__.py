@@ -64,13 +64,29 @@ class KVMethod:
 
     def score_from(self, seq: Sequence) -> int:
         """The first query of seq's next chunk (an index into it) whose attention counts:
-        a windowed ranking counts the last `window` queries before the next eviction."""
+        a windowed ranking counts the last `window` queries before the next eviction; a
+        sequence whose method reads no scores adds none (a block it shares stays unwritten)."""
+        if not self.needs_scores:
+            return NO_QUERY
         if not self.windowed:
             return 0
         end = self.schedule.next_eviction(seq)
         if end is None:
             return NO_QUERY
         return max(end - self.ranking.window - seq.num_computed_tokens, 0)
+
+    def reusable_tokens(self, seq: Sequence) -> int:
+        """How many of a fresh seq's first tokens could come from the prefix cache with its
+        results unchanged: all under the full cache; under eviction, only tokens read before
+        the first eviction, and none whose query's attention would count (a query skipped
+        adds no score): none for batchmax and h2o, whose scores count every query, and for
+        tova and snapkv only those before their window."""
+        if self.ranking is None:
+            return seq.num_tokens
+        if self.needs_scores and not self.windowed:
+            return 0
+        end = self.schedule.next_eviction(seq)
+        return seq.num_tokens if end is None else max(end - (self.ranking.window or 0), 0)
 
     def keep_priority(self, held: HeldPairs) -> torch.Tensor:
         """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf."""
