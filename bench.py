@@ -4,6 +4,7 @@
     python bench.py --preset cpu-small   paper mode at toy sizes, on the bundled model, for a CPU
     python bench.py --mode workload      nano-vllm's workload (256 requests), with and without eviction
     python bench.py --mode sweep         methods x budgets x batches x input lengths, as JSON lines
+    python bench.py --mode prefix        prefix caching on and off: a shared prefix, a chat (nanokv/bench_prefix.py)
     python bench.py --mode hf            nanokv against HF transformers `generate` on the CPU
                                          (batch 8, and batch 1 at three prompt lengths: nanokv/bench_hf.py)
     python bench.py --mode gpu-report --report gpu.md
@@ -56,7 +57,8 @@ from tqdm import tqdm
 from models.shapes import SHAPES
 from nanokv import LLM, SamplingParams
 from nanokv.bench_hf import bench_vs_hf
-from nanokv.eviction import METHODS
+from nanokv.bench_prefix import bench_prefix
+from nanokv.eviction import parse_spec
 from nanokv.kv_cache import KVCache
 from nanokv.runner import Timings
 
@@ -74,13 +76,14 @@ MODE_DEFAULTS = {
     "sweep": dict(input_len=3584, output_len=512, methods=["full", "ed", "batchmax", "decode_only"]),
     "workload": dict(num_requests=256, methods=["full", "batchmax"], max_num_batched_tokens=16384),
     "gpu-report": {},
+    "prefix": dict(num_requests=8, input_len=512, output_len=16),
 }
 
 
 # ----- what runs -------------------------------------------------------------------------
 
 class Method(NamedTuple):
-    name: str            # a kv_method (nanokv/eviction: full, batchmax, h2o, ..., decode_only, ed)
+    name: str            # RANKING[@SCHEDULE][,KEY=INT...] (nanokv.eviction.parse_spec): batchmax, h2o@prefill, ...
     budget: int | None   # |kv|; None for full
 
     @property
@@ -94,8 +97,10 @@ def label(record: dict) -> str:
 
 def method_list(names: list[str], budgets: list[int], ed_budgets: list[int]) -> list[Method]:
     """Every named method at each of its budgets: ed at --ed-budgets, the others at --budgets."""
-    return [Method(name, budget) for name in names
-            for budget in ([None] if name == "full" else ed_budgets if name == "ed" else budgets)]
+    def budgets_of(name):
+        ranking = parse_spec(name)["kv_method"]
+        return [None] if ranking == "full" else ed_budgets if ranking == "ed" else budgets
+    return [Method(name, budget) for name in names for budget in budgets_of(name)]
 
 
 def same_shape(n: int, input_len: int, output_len: int, method: Method, evict_every: int, vocab: int):
@@ -118,13 +123,17 @@ def workload(n: int = 256, seed: int = 0, vocab: int = 10000) -> list[tuple[list
 
 
 def sampling(method: Method, max_tokens: int, evict_every: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0, kv_method=method.name,
-                          kv_budget=method.budget, evict_every=evict_every)
+    eviction = {} if method.budget is None else {"kv_budget": method.budget, "evict_every": evict_every}
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0,
+                          **{**eviction, **parse_spec(method.name)})
 
 
 def make_llm(args, max_model_len: int, **options) -> LLM:
-    """The engine for this bench, with a pool of --kv-cache-gb (the engine's default if None)."""
+    """The engine for this bench, with a pool of --kv-cache-gb (the engine's default if None).
+    No prefix caching unless asked for: the modes that compare methods repeat their prompts,
+    and a cache would serve later runs from earlier ones."""
     model = f"random:{args.random_weights}" if args.random_weights else args.model
+    options.setdefault("enable_prefix_caching", False)
     return LLM(model, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, max_model_len=max_model_len,
                block_size=args.block_size, enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
                **options)
@@ -430,10 +439,18 @@ def plot(records: list[dict], path: str) -> None:
 
 # ----- command line ----------------------------------------------------------------------
 
+def method_spec(spec: str) -> str:
+    try:
+        parse_spec(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags, with defaults that depend on the mode and the preset (the preset's win)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["paper", "workload", "sweep", "hf", "gpu-report"])
+    p.add_argument("--mode", choices=["paper", "workload", "sweep", "hf", "gpu-report", "prefix"])
     p.add_argument("--preset", choices=sorted(PRESETS))
     p.add_argument("--model", default=None, help="HF directory or hub id (default: the bundled SmolLM2-135M)")
     p.add_argument("--random-weights", metavar="SHAPE", choices=sorted(SHAPES),
@@ -445,7 +462,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(paper, sweep), the engine's own in workload mode")
     p.add_argument("--input-len", type=int)
     p.add_argument("--output-len", type=int)
-    p.add_argument("--methods", nargs="+", choices=METHODS, help="kv_methods, each under its default schedule")
+    p.add_argument("--methods", nargs="+", type=method_spec, help="methods: RANKING[@SCHEDULE][,KEY=INT...], "
+                   "KEY in sinks, recent, window, pool, every (e.g. full batchmax h2o@prefill,sinks=4)")
     p.add_argument("--budgets", type=int, nargs="+", default=[1024, 512], help="|kv| of every method but ed")
     p.add_argument("--ed-budgets", type=int, nargs="+", default=[2, 65], help="|kv| of ed")
     p.add_argument("--evict-every", type=int, default=64, help="p, pairs evicted at a time")
@@ -464,6 +482,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-lens", type=int, nargs="*", default=[100, 1000, 4000],
                    help="hf: prompt lengths of the batch-1 table (none: no table)")
     p.add_argument("--chat-tokens", type=int, default=64, help="hf: new tokens per batch-1 request")
+    p.add_argument("--suffix-len", type=int, default=64, help="prefix: each request's own tokens after the "
+                   "shared prefix (--input-len), and each chat message")
+    p.add_argument("--turns", type=int, default=8, help="prefix: chat turns")
     p.add_argument("--out", help="append one JSON line per run here (sweep default: bench.jsonl)")
     p.add_argument("--plot", metavar="PNG", help="tokens/s and peak KV memory against batch size")
     p.add_argument("--report", default="gpu-report.md", help="gpu-report: where the markdown report goes")
@@ -496,7 +517,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f.write(json.dumps(rec) + "\n")
 
     start = time.perf_counter()
-    records = {"paper": bench_paper, "workload": bench_workload, "sweep": bench_sweep}[args.mode](args, save)
+    modes = {"paper": bench_paper, "workload": bench_workload, "sweep": bench_sweep,
+             "prefix": lambda args, save: bench_prefix(args, save, make_llm, run_context)}
+    records = modes[args.mode](args, save)
     if args.plot:
         plot(records, args.plot)
     print(f"\n{time.perf_counter() - start:.0f} s in all")

@@ -29,7 +29,9 @@ class Chat:
         self.messages = []
 
     def _prompt_ids(self) -> list[int]:
-        """The templated conversation; the oldest turns go first if it is too long."""
+        """The templated conversation; the oldest turns go first if it is too long. The template
+        renders earlier turns the same every time, so a follow-up's prompt starts with the
+        previous one and the engine's prefix cache serves it (only its blocks' worth)."""
         budget = self.llm.config.max_model_len - self.params.max_tokens
         while True:
             system = [{"role": "system", "content": self.system}] if self.system else []
@@ -44,7 +46,7 @@ class Chat:
         """Stream the assistant's answer to user_text; Ctrl-C cuts it short."""
         self.messages.append({"role": "user", "content": user_text})
         ids = self._prompt_ids()
-        start, first, peak_blocks, text, n = time.perf_counter(), None, 0, "", 0
+        start, first, peak_blocks, text, n, cached = time.perf_counter(), None, 0, "", 0, 0
         request = self.llm.add_request(ids, self.params)
         try:
             while self.llm.has_unfinished():
@@ -56,7 +58,7 @@ class Chat:
                     if out.finish_reason == "error":
                         self.out.write(f" [error: {out.error}]")
                     self.out.flush()
-                    text, n = out.text, len(out.token_ids)
+                    text, n, cached = out.text, len(out.token_ids), out.num_cached_tokens
                 peak_blocks = max(peak_blocks, self.llm.blocks.num_blocks - self.llm.blocks.num_free)
         except KeyboardInterrupt:
             self.llm.abort(request)
@@ -64,7 +66,7 @@ class Chat:
         self.out.write("\n")
         elapsed = time.perf_counter() - start
         self.messages.append({"role": "assistant", "content": text})
-        self.last_stats = dict(prompt_tokens=len(ids), output_tokens=n, seconds=elapsed,
+        self.last_stats = dict(prompt_tokens=len(ids), cached_prompt_tokens=cached, output_tokens=n, seconds=elapsed,
                                first_token_seconds=(first or time.perf_counter()) - start,
                                kv_blocks=peak_blocks)
         return text
@@ -75,7 +77,8 @@ class Chat:
         s = self.last_stats
         rate = s["output_tokens"] / s["seconds"] if s["seconds"] > 0 else 0.0
         return (f"last reply: {s['output_tokens']} tokens in {s['seconds']:.2f}s ({rate:.1f} tokens/s), "
-                f"first token after {s['first_token_seconds']:.2f}s, prompt {s['prompt_tokens']} tokens; "
+                f"first token after {s['first_token_seconds']:.2f}s, prompt {s['prompt_tokens']} tokens "
+                f"({s['cached_prompt_tokens']} from the prefix cache); "
                 f"KV blocks used {s['kv_blocks']} of {self.llm.blocks.num_blocks} "
                 f"({self.llm.config.block_size} tokens each)")
 

@@ -88,7 +88,8 @@ def bench_vs_hf(args) -> None:
     from nanokv.loader import resolve_model_path
 
     path = resolve_model_path(args.model)
-    llm = LLM(str(path), dtype="float32", device="cpu")
+    # No prefix caching: HF has none, and the prompts below start alike (the same module's source).
+    llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     pad = llm.tokenizer.eos_token_id or 0
     warm = stdlib_prompts(llm.tokenizer, 1, 32)

@@ -112,11 +112,13 @@ class EngineConfig:
     max_model_len: int | None = None    # prompt + output limit; default: the model's context
     seed: int = 0                       # for requests that give no seed of their own
     enforce_eager: bool = False         # CUDA: no decode graphs (debugging, profiling)
+    enable_prefix_caching: bool = True  # prompts that start alike share the KV blocks of their common start
     kv_cache_dtype: str = "auto"        # "auto" (the model's dtype), "int8" or "fp8" (e4m3): a quantized cache
     # Defaults for requests whose SamplingParams leave them unset (nanokv/eviction/).
-    kv_method: str = "full"             # a ranking (METHODS): "full", "batchmax", "h2o", ...
+    kv_method: str | None = None        # a ranking (METHODS): "full", "batchmax", "h2o", ...; None: full,
+                                        # or with a kv_budget the default evicting method (eviction.BUDGET_ONLY)
     kv_schedule: str | None = None      # "prefill", "decode" or "once"; None: the ranking's own
-    kv_budget: int = 1024               # |kv|: most KV pairs kept per KV head
+    kv_budget: int | None = None        # |kv|: most KV pairs kept per KV head; None: 1024 for a named method
     evict_every: int = 64               # p: pairs evicted at a time
     kv_sinks: int | None = None         # first positions never evicted; None: the ranking's default
     kv_recent: int | None = None        # most recent pairs never evicted; None: the ranking's default
@@ -141,13 +143,14 @@ class EngineConfig:
         check_int("max_model_len", self.max_model_len, 2, optional=True)
         check_int("seed", self.seed, *SEED_RANGE)
         check_bool("enforce_eager", self.enforce_eager)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         if self.kv_cache_dtype == "fp8" and KV_CACHE_DTYPES["fp8"] not in QUANT_MAX:
             raise ValueError(f"kv_cache_dtype='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} "
                              "lacks; use 'int8' or 'auto'")
-        check_choice("kv_method", self.kv_method, METHODS)   # LLM checks the method's budget with make_method
+        check_choice("kv_method", self.kv_method, METHODS, optional=True)   # LLM checks the rest with make_method
         check_choice("kv_schedule", self.kv_schedule, SCHEDULE_NAMES, optional=True)
-        check_int("kv_budget", self.kv_budget, 1)
+        check_int("kv_budget", self.kv_budget, 1, optional=True)
         check_int("evict_every", self.evict_every, 1)
         check_int("kv_sinks", self.kv_sinks, 0, optional=True)
         check_int("kv_recent", self.kv_recent, 0, optional=True)

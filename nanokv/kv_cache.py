@@ -10,6 +10,7 @@ until it knows each query's softmax denominator (kernels/decode_attention.py).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from kernels import logits_scratch
 from kernels.kv_store import QUANT_MAX
 from nanokv.config import ModelConfig
+from nanokv.prefix_cache import PrefixCache
 
 
 @dataclass
@@ -58,6 +60,14 @@ class KVCache:
         scales = () if self.kv_scales is None else (self.kv_scales,)
         return (self.k, self.v, self.positions, self.scores, *scales)
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Blocks src into dst, in every layer, their scores zeroed: a sequence's own copy of
+        cached blocks that it will write into (eviction compacts them, scores accumulate)."""
+        for per_slot in self.per_slot:   # K, V (and their scales), positions
+            if per_slot is not self.scores:
+                per_slot[:, dst] = per_slot[:, src]
+        self.scores[:, dst] = 0.0
+
     @staticmethod
     def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         """Memory of one block: K and V (and their two fp32 scales if quantized), position and
@@ -69,27 +79,60 @@ class KVCache:
 
 
 class BlockManager:
-    """Hands out block ids from a free list. It only counts: it never touches tensors."""
+    """Hands out block ids from a free list and counts each block's references (a block of a
+    cached prefix is shared by every sequence that starts with it). It only counts: it never
+    touches tensors. With a PrefixCache, a cached block that no one holds any more is kept for
+    a later hit, and reclaimed, least recently used first, only when the free list is empty:
+    admission counts such blocks as free."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, cache: PrefixCache | None = None):
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.cache = cache
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
+        self.reclaimable: OrderedDict[int, None] = OrderedDict()   # cached, unreferenced: oldest first
+        self.ref_counts = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_blocks) + len(self.reclaimable)
 
     def blocks_for(self, num_slots: int) -> int:
         return -(-num_slots // self.block_size)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self.free_blocks)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free_blocks):
-            raise RuntimeError(f"asked for {n} KV blocks, only {len(self.free_blocks)} free")
-        return [self.free_blocks.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} KV blocks, only {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self.free_blocks:
+                block = self.free_blocks.pop()
+            else:
+                block = self.reclaimable.popitem(last=False)[0]
+                self.cache.forget(block)
+            self.ref_counts[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """Take one more reference to each of blocks (cached ones, found by a prefix match)."""
+        for block in blocks:
+            self.reclaimable.pop(block, None)
+            self.ref_counts[block] += 1
 
     def free(self, blocks: list[int]) -> None:
-        self.free_blocks.extend(reversed(blocks))
+        """Drop one reference to each of blocks. One no one holds goes back to the free list,
+        or, if cached, to the reclaimable ones, the last block first: a prefix's tail is
+        reclaimed before its head, which more prompts share."""
+        for block in reversed(blocks):
+            if self.ref_counts[block] <= 0:
+                raise RuntimeError(f"KV block {block} freed more often than it was taken")
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.cache is not None and self.cache.holds(block):
+                    self.reclaimable[block] = None
+                else:
+                    self.free_blocks.append(block)

@@ -21,6 +21,7 @@ from nanokv.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig, resolve_dt
 from nanokv.kv_cache import BlockManager
 import models.shapes as shapes   # a module import: models.shapes itself imports nanokv.config
 from nanokv.loader import load_model, resolve_model_path
+from nanokv.prefix_cache import PrefixCache
 from nanokv.runner import ModelRunner
 from nanokv.sampling import FAILED, SamplingParams
 from nanokv.scheduler import Scheduler
@@ -46,6 +47,7 @@ class RequestOutput:
     prompt_logprobs: list[PromptLogprob | None] | None = None   # with SamplingParams(prompt_logprobs=True)
     kept_positions: torch.Tensor | None = None   # [layers, kv_heads, n], with return_kept_positions, at the end
     error: str | None = None    # with finish_reason "error": what went wrong with this request
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
 
 
 @dataclass
@@ -87,7 +89,10 @@ class LLM:
             decoder = load_model(path, self.model_config, self.dtype, device, self.config.max_model_len)
         kv_dtype = KV_CACHE_DTYPES[self.config.kv_cache_dtype] or self.dtype
         self.runner = ModelRunner(self.config, decoder, self.dtype, device, kv_dtype)
-        self.blocks = BlockManager(self.runner.kv_cache.num_blocks, self.config.block_size)
+        cache = None
+        if self.config.enable_prefix_caching:   # a block's contents depend on the model and the cache's dtype
+            cache = PrefixCache(self.config.block_size, (str(path or model), str(kv_dtype)))
+        self.blocks = BlockManager(self.runner.kv_cache.num_blocks, self.config.block_size, cache)
         self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path))
         self.requests: dict[int, _Request] = {}
         self._ids = count()
@@ -148,11 +153,10 @@ class LLM:
         def setting(field: str):
             value = getattr(params, field)
             return getattr(cfg, field) if value is None else value
-        name = setting("kv_method")
-        method = make_method(name, setting("kv_schedule"), setting("kv_budget"), setting("evict_every"),
-                             cfg.block_size, sinks=setting("kv_sinks"), recent=setting("kv_recent"),
+        method = make_method(setting("kv_method"), setting("kv_schedule"), setting("kv_budget"),
+                             setting("evict_every"), cfg.block_size, sinks=setting("kv_sinks"), recent=setting("kv_recent"),
                              window=setting("kv_window"), pool=setting("kv_pool"))
-        if params.return_kept_positions and name == "full":
+        if params.return_kept_positions and method.name == "full":
             raise ValueError("return_kept_positions needs an evicting kv_method (any but full); "
                              "with full every position is kept")
         return method
@@ -189,7 +193,12 @@ class LLM:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("requests are waiting but none can be scheduled")
             return []
-        sampled = self.runner.run(batch)
+        try:
+            sampled = self.runner.run(batch)
+        except Exception:
+            if self.blocks.cache is not None:
+                self.blocks.cache.forget_pending()
+            raise
         failed = self._take_sampling_failures(sampled)
         done = {seq.seq_id: reason for seq, reason in self.scheduler.update(batch, sampled)}
         outputs = [self._fail(self.requests[seq_id], error) for seq_id, error in failed.items()]
@@ -227,7 +236,7 @@ class LLM:
                              request.text[:request.streamed], list(seq.output_token_ids), "",
                              [] if token is None else [token], True, "error",
                              prompt_logprobs=seq.prompt_logprobs, kept_positions=seq.kept_positions,
-                             error=f"{type(error).__name__}: {error}")
+                             error=f"{type(error).__name__}: {error}", num_cached_tokens=seq.num_cached_tokens)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.params.return_kept_positions:   # read before the blocks go back to the pool
@@ -255,7 +264,7 @@ class LLM:
                              request.text[:upto], list(seq.output_token_ids), new_text, [token],
                              seq.is_finished, seq.finish_reason,
                              prompt_logprobs=seq.prompt_logprobs if seq.is_finished else None,
-                             kept_positions=seq.kept_positions)
+                             kept_positions=seq.kept_positions, num_cached_tokens=seq.num_cached_tokens)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -168,8 +168,7 @@ def _sampling_params(body: dict, chat: bool, room: int) -> SamplingParams:
 def usage(out: RequestOutput) -> dict:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            # No prefix caching yet: no prompt token is ever served from cache.
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
 class Responder:

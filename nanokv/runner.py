@@ -164,9 +164,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
-        """Evict, then one forward pass; returns seq_id -> sampled token for the
+        """Copy cached blocks, evict, then one forward pass; returns seq_id -> sampled token for the
         sequences whose chunk reached their end."""
         start = self._clock()
+        if batch.copies:
+            cached, own = zip(*batch.copies)
+            self.kv_cache.copy_blocks(list(cached), list(own))
         self.evict(batch.evictions)
         evicted = self._clock()
         step = self.prepare(batch)

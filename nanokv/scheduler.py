@@ -9,6 +9,14 @@ as it reads the prompt (nanokv/eviction/). When a sequence needs a block
 and none is free, the most recently admitted sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue, to be
 recomputed from its tokens when there is room.
+
+Prefix caching (nanokv/prefix_cache.py): a sequence is admitted with the
+longest run of cached full blocks that starts its tokens already computed, as
+far as its method allows (KVMethod.reusable_tokens). A sequence that never
+evicts shares those blocks, and enters its own full blocks into the cache in
+the step that fills them; one that evicts writes into its blocks (compaction,
+scores), so it takes a copy of computed ones and enters nothing. A block is
+written once, by the sequence that fills it: a shared block is never modified.
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)   # tokens each sequence runs this step
     evictions: list[Eviction] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)   # (cached block, a sequence's own): before the step
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -63,15 +72,52 @@ class Scheduler:
                 budget -= self._plan(seq, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            needed = self.blocks.blocks_for(seq.method.reserve_slots(seq))
-            if not self.blocks.can_allocate(needed):
+            room = self._room_for(seq)
+            if room is None:
                 break
             self.waiting.popleft()
-            seq.block_table = self.blocks.allocate(needed)
-            seq.status = Status.RUNNING
+            self._admit(seq, *room, batch)
             self.running.append(seq)
             budget -= self._plan(seq, budget, batch)
+        # Blocks to copy were held so that no allocation above reclaimed them; none happens
+        # between here and the runner's copy at the start of the step.
+        self.blocks.free([cached for cached, _ in batch.copies])
         return batch
+
+    def _room_for(self, seq: Sequence) -> tuple[list[tuple[int, int]], int] | None:
+        """The cached blocks seq starts with and the number of blocks to allocate for it; None
+        if the pool cannot take it now. A cached block no one holds counts as free until seq
+        takes it; one that copies holds its sources while its own blocks are allocated, so it
+        copies fewer rather than wait."""
+        hits = self._cached_prefix(seq)
+        shares = seq.method.ranking is None
+        needed = self.blocks.blocks_for(seq.method.reserve_slots(seq)) - (len(hits) if shares else 0)
+        taken = sum(self.blocks.ref_counts[block] == 0 for block, _ in hits)
+        while hits and not shares and not self.blocks.can_allocate(needed + taken):
+            taken -= self.blocks.ref_counts[hits.pop()[0]] == 0
+        return (hits, needed) if self.blocks.can_allocate(needed + taken) else None
+
+    def _cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(block, cache entry) of the cached blocks seq may start with. At least one token is
+        left to compute (its logits are sampled from); with prompt_logprobs, every position."""
+        if self.blocks.cache is None or seq.prompt_logprobs is not None:
+            return []
+        limit = min(seq.method.reusable_tokens(seq), seq.num_tokens - 1)
+        return self.blocks.cache.match(seq.token_ids, limit, computed=seq.method.ranking is not None)
+
+    def _admit(self, seq: Sequence, hits: list[tuple[int, int]], needed: int, batch: ScheduledBatch) -> None:
+        cached = [block for block, _ in hits]
+        self.blocks.share(cached)
+        own = self.blocks.allocate(needed)
+        if seq.method.ranking is None:
+            seq.block_table = cached + own
+            seq.prefix_serials = [serial for _, serial in hits]
+        else:   # a copy of its own, made by the runner
+            seq.block_table = own
+            batch.copies += zip(cached, own)
+        seq.num_computed_tokens = seq.num_kv_slots = len(cached) * self.blocks.block_size
+        seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
+        seq.status = Status.RUNNING
 
     def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Put seq's next chunk (and the eviction before it) in the batch; returns its
@@ -86,6 +132,9 @@ class Scheduler:
             seq.num_kv_slots = slots   # the runner compacts before the forward pass
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
+        full = (seq.num_computed_tokens + n) // self.blocks.block_size
+        if self.blocks.cache is not None and seq.method.ranking is None and full > len(seq.prefix_serials):
+            self.blocks.cache.add(seq.prefix_serials, seq.block_table, seq.token_ids, seq.num_computed_tokens + n)
         return n
 
     def _make_room(self, seq: Sequence, num_slots: int) -> bool:
@@ -105,7 +154,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
-        seq.block_table = []
+        seq.block_table, seq.prefix_serials = [], []
         seq.num_computed_tokens = seq.num_kv_slots = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -114,6 +163,8 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[tuple[Sequence, str]]:
         """Record the step: tokens computed, blocks emptied by eviction, tokens sampled
         (seq_id -> token). Returns the sequences now done, with why; the caller finishes them."""
+        if self.blocks.cache is not None:
+            self.blocks.cache.pending.clear()   # the blocks the step filled are computed
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             seq.num_kv_slots += n

@@ -40,6 +40,8 @@ class Sequence:
     generator: torch.Generator | None = None  # the request's own, when it has a seed
     prompt_logprobs: list[PromptLogprob | None] | None = None   # when asked for
     kept_positions: torch.Tensor | None = None                  # when asked for, at the end
+    num_cached_tokens: int = 0         # prompt tokens taken from the prefix cache at its last admission
+    prefix_serials: list[int] = field(default_factory=list)    # prefix-cache entries of its full blocks
 
     @property
     def token_ids(self) -> list[int]:

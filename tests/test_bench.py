@@ -71,6 +71,19 @@ def test_presets_and_mode_defaults():
     assert bench.parse_args(["--mode", "hf"]).output_len == 128
 
 
+def test_methods_take_a_schedule_and_settings():
+    args = bench.parse_args(["--methods", "full", "h2o@prefill,sinks=4", "ed", "--budgets", "256",
+                             "--ed-budgets", "2"])
+    methods = bench.method_list(args.methods, args.budgets, args.ed_budgets)
+    assert [m.label for m in methods] == ["full", "h2o@prefill,sinks=4 |kv|=256", "ed |kv|=2"]
+    params = bench.sampling(methods[1], 8, evict_every=64)
+    assert (params.kv_method, params.kv_schedule, params.kv_sinks, params.kv_budget, params.evict_every) \
+        == ("h2o", "prefill", 4, 256, 64)
+    assert bench.sampling(methods[0], 8, evict_every=64).kv_budget is None
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--methods", "h2o@sometimes"])
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
@@ -158,3 +171,20 @@ def test_hf_mode_prints_both_tables(tiny, capsys):
     assert "ratio nanokv / transformers" in out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["20"], ["60"])]
     assert len(rows) == 2 and all(len(r) == 6 and all(float(x) >= 0 for x in r) for r in rows)
+
+
+def test_prefix_mode_end_to_end(tiny, tmp_path, capsys):
+    out = tmp_path / "prefix.jsonl"
+    records = bench.main(["--model", str(tiny), "--mode", "prefix", "--input-len", "40", "--suffix-len", "8",
+                          "--num-requests", "3", "--turns", "3", "--output-len", "4", "--dtype", "float32",
+                          "--out", str(out)])
+    assert [json.loads(line) for line in out.read_text().splitlines()] == records
+    assert [(r["workload"], r["caching"]) for r in records] == [
+        ("shared prefix", False), ("chat", False), ("shared prefix", True), ("chat", True)]
+    for r in records:
+        assert r["mean_ttft_s"] > 0 and r["total_s"] >= r["mean_ttft_s"] and {"device", "date", "commit"} <= r.keys()
+    # 2 of 3 requests share the 2 full blocks of the prefix; in the chat (turns of 8 + 4 tokens)
+    # only turn 3 finds a full block computed before it
+    assert [r["cached_tokens"] for r in records] == [0, 0, 64, 16]
+    assert all(r["same_outputs"] for r in records[2:])
+    assert "mean TTFT s" in capsys.readouterr().out

@@ -71,3 +71,15 @@ def test_the_template_carries_earlier_turns(llm):
     ids = chat._prompt_ids()
     text = llm.tokenizer.decode(ids, skip_special_tokens=False)
     assert "Hello!" in text and first.strip() in text and text.count("<|im_start|>user") == 1
+
+
+def test_a_follow_up_turn_is_served_from_the_prefix_cache(llm, monkeypatch):
+    prompts, add = [], llm.add_request
+    monkeypatch.setattr(llm, "add_request", lambda ids, params: prompts.append(ids) or add(ids, params))
+    chat = Chat(llm, SamplingParams(temperature=0, max_tokens=8), out=io.StringIO())
+    chat.reply("What is the capital of France?")
+    chat.reply("And of Italy?")
+    first, second = prompts
+    assert second[:len(first)] == first   # the template renders the earlier turn the same
+    assert chat.last_stats["cached_prompt_tokens"] >= len(first) // 16 * 16 > 0
+    assert "from the prefix cache" in chat.stats()

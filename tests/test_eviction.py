@@ -76,6 +76,18 @@ def test_engine_defaults_apply_and_requests_override(llm):
     assert (out.kept_positions == 102).all()
 
 
+def test_a_budget_alone_asks_for_the_default_evicting_method(tiny_dir):
+    plain = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    method = plain._method(SamplingParams(kv_budget=64, evict_every=16))
+    assert (method.name, type(method.schedule).__name__) == ("h2o", "Prefill")
+    assert plain._method(SamplingParams()).name == "full"                    # no budget: no eviction
+    assert plain._method(SamplingParams(kv_method="tova")).schedule.budget == 1024   # a name alone: 1024
+    engine_budget = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, kv_budget=64,
+                        evict_every=16)
+    assert engine_budget._method(SamplingParams()).name == "h2o"
+    assert engine_budget._method(SamplingParams(kv_method="full")).name == "full"
+
+
 def test_prompt_logprobs_under_a_large_budget_equal_full(llm):
     prompt = torch.randint(0, VOCAB, (40,)).tolist()
     out = llm.generate([prompt], SamplingParams(max_tokens=1, kv_method="full", prompt_logprobs=True))[0]

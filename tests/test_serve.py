@@ -100,12 +100,13 @@ def test_completions_and_chat_match_generate(client, reference):
                                       extra_body={"ignore_eos": True})
     assert whole.choices[0].text == expected.text and whole.choices[0].finish_reason == "length"
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (len(expected.prompt_token_ids), 12)
-    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0   # a fresh server: nothing cached
     stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
     assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 16   # the prompt's one full block, again
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
     text = reference.tokenizer.apply_chat_template(messages)   # as chat.py builds a prompt

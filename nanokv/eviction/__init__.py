@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 METHODS = ("full", *RANKINGS, "decode_only", "ed")
 SCHEDULE_NAMES = tuple(SCHEDULES)
 NO_QUERY = 2**31 - 1   # score_from of a chunk none of whose queries counts
+DEFAULT_BUDGET = 1024  # |kv| of a request that names a method but gives no kv_budget
+# The method of a request that gives a kv_budget and names none: of everything that evicts
+# while reading the prompt, the closest to the full cache in docs/ACCURACY.md.
+BUDGET_ONLY = ("h2o", "prefill")
 
 
 class KVMethod:
@@ -60,13 +64,29 @@ class KVMethod:
 
     def score_from(self, seq: Sequence) -> int:
         """The first query of seq's next chunk (an index into it) whose attention counts:
-        a windowed ranking counts the last `window` queries before the next eviction."""
+        a windowed ranking counts the last `window` queries before the next eviction; a
+        sequence whose method reads no scores adds none (a block it shares stays unwritten)."""
+        if not self.needs_scores:
+            return NO_QUERY
         if not self.windowed:
             return 0
         end = self.schedule.next_eviction(seq)
         if end is None:
             return NO_QUERY
         return max(end - self.ranking.window - seq.num_computed_tokens, 0)
+
+    def reusable_tokens(self, seq: Sequence) -> int:
+        """How many of a fresh seq's first tokens could come from the prefix cache with its
+        results unchanged: all under the full cache; under eviction, only tokens read before
+        the first eviction, and none whose query's attention would count (a query skipped
+        adds no score): none for batchmax and h2o, whose scores count every query, and for
+        tova and snapkv only those before their window."""
+        if self.ranking is None:
+            return seq.num_tokens
+        if self.needs_scores and not self.windowed:
+            return 0
+        end = self.schedule.next_eviction(seq)
+        return seq.num_tokens if end is None else max(end - (self.ranking.window or 0), 0)
 
     def keep_priority(self, held: HeldPairs) -> torch.Tensor:
         """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf."""
@@ -89,11 +109,15 @@ def _snapkv(budget: int, window: int | None, pool: int | None) -> ObservationWin
     return ObservationWindow(window, pool)
 
 
-def make_method(name: str, schedule: str | None, budget: int, evict_every: int, block_size: int, *,
+def make_method(name: str | None, schedule: str | None, budget: int | None, evict_every: int, block_size: int, *,
                 sinks: int | None = None, recent: int | None = None, window: int | None = None,
                 pool: int | None = None) -> KVMethod:
     """The method for a request, or a ValueError naming what is wrong with its settings.
+    No name: the full cache, or BUDGET_ONLY if a budget is given. No budget: DEFAULT_BUDGET.
     None for schedule, sinks, recent, window or pool takes the ranking's default."""
+    if name is None:
+        name, schedule = ("full", schedule) if budget is None else (BUDGET_ONLY[0], schedule or BUDGET_ONLY[1])
+    budget = DEFAULT_BUDGET if budget is None else budget
     if name not in METHODS:
         raise ValueError(f"unknown kv_method {name!r}; use one of {', '.join(METHODS)}")
     if schedule is not None and schedule not in SCHEDULES:
@@ -146,3 +170,39 @@ def make_method(name: str, schedule: str | None, budget: int, evict_every: int, 
         raise ValueError(f"kv_sinks + kv_recent = {sinks} + {recent} leaves {name} nothing to evict under the "
                      f"{schedule} schedule: it must be {limit}")
     return KVMethod(SCHEDULES[schedule](budget, evict_every), ranking, sinks, recent, name)
+
+
+SPEC_KEYS = {"sinks": "kv_sinks", "recent": "kv_recent", "window": "kv_window", "pool": "kv_pool",
+             "every": "evict_every"}
+
+
+def parse_spec(spec: str) -> dict:
+    """SamplingParams fields from a method written on one line, as the benchmarks take it:
+    RANKING[@SCHEDULE][,KEY=INT...] with KEY one of sinks, recent, window, pool, every (p);
+    e.g. "snapkv@prefill,window=16,sinks=4". Settings not written take the defaults."""
+    name, *pairs = spec.split(",")
+    ranking, _, schedule = name.partition("@")
+    if ranking not in METHODS:
+        raise ValueError(f"unknown kv_method {ranking!r} in {spec!r}; use one of {', '.join(METHODS)}")
+    fields = {"kv_method": ranking}
+    if schedule:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown kv_schedule {schedule!r} in {spec!r}; use one of {', '.join(SCHEDULES)}")
+        fields["kv_schedule"] = schedule
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        if key not in SPEC_KEYS or not value.isdigit():
+            raise ValueError(f"bad setting {pair!r} in {spec!r}: write KEY=INTEGER with KEY one of "
+                             f"{', '.join(SPEC_KEYS)}")
+        fields[SPEC_KEYS[key]] = int(value)
+    return fields
+
+
+def schedule_name(fields: dict) -> str:
+    """The schedule a method (parse_spec's fields) runs under: "none" for full, "ed" for ed."""
+    name = fields["kv_method"]
+    if name in ("full", "ed"):
+        return "none" if name == "full" else "ed"
+    if name == "decode_only":
+        return "decode"
+    return fields.get("kv_schedule") or RANKINGS[name].default_schedule

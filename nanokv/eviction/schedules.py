@@ -39,7 +39,8 @@ class Schedule:
 
     def next_eviction(self, seq: Sequence) -> int | None:
         """The position before which seq evicts next (None: never), seen from its next chunk,
-        its pending eviction already applied: where a windowed ranking's window ends."""
+        its pending eviction already applied: where a windowed ranking's window ends, and
+        how far a fresh sequence may reuse cached blocks."""
         return None
 
 
@@ -146,7 +147,7 @@ class ExtremeDecoding(PromptFirst):
         return 0
 
     def next_eviction(self, seq):
-        return None   # its ranking (recency) needs no scores
+        return len(seq.prompt_token_ids) if in_prompt(seq) else super().next_eviction(seq)
 
 
 SCHEDULES = {s.name: s for s in (Prefill, Decode, Once)}
