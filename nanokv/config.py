@@ -116,7 +116,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"        # "auto" (the model's dtype), "int8" or "fp8" (e4m3): a quantized cache
     # Defaults for requests whose SamplingParams leave them unset (nanokv/eviction/).
     kv_method: str | None = None        # a ranking (METHODS): "full", "batchmax", "h2o", ...; None: full,
-                                        # or with a kv_budget the default evicting method (eviction.BUDGET_ONLY)
+                                        # or with a kv_budget the recommended method (eviction.make_method)
     kv_schedule: str | None = None      # "prefill", "decode" or "once"; None: the ranking's own
     kv_budget: int | None = None        # |kv|: most KV pairs kept per KV head; None: 1024 for a named method
     evict_every: int = 64               # p: pairs evicted at a time

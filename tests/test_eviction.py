@@ -79,12 +79,15 @@ def test_engine_defaults_apply_and_requests_override(llm):
 def test_a_budget_alone_asks_for_the_default_evicting_method(tiny_dir):
     plain = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
     method = plain._method(SamplingParams(kv_budget=64, evict_every=16))
-    assert (method.name, type(method.schedule).__name__) == ("h2o", "Prefill")
+    assert (method.name, type(method.schedule).__name__, method.sinks, method.recent) \
+        == ("batchmax", "Prefill", 4, 24)                                  # recent: (64 - 16) / 2
+    assert plain._method(SamplingParams(kv_budget=64, evict_every=16, kv_recent=8, kv_schedule="decode")).rule \
+        == ("batchmax", 4, 8, None, None)                                  # settings given are kept
     assert plain._method(SamplingParams()).name == "full"                    # no budget: no eviction
     assert plain._method(SamplingParams(kv_method="tova")).schedule.budget == 1024   # a name alone: 1024
     engine_budget = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, kv_budget=64,
                         evict_every=16)
-    assert engine_budget._method(SamplingParams()).name == "h2o"
+    assert engine_budget._method(SamplingParams()).name == "batchmax"
     assert engine_budget._method(SamplingParams(kv_method="full")).name == "full"
 
 

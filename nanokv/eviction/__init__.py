@@ -24,9 +24,6 @@ METHODS = ("full", *RANKINGS, "decode_only", "ed")
 SCHEDULE_NAMES = tuple(SCHEDULES)
 NO_QUERY = 2**31 - 1   # score_from of a chunk none of whose queries counts
 DEFAULT_BUDGET = 1024  # |kv| of a request that names a method but gives no kv_budget
-# The method of a request that gives a kv_budget and names none: of everything that evicts
-# while reading the prompt, the closest to the full cache in docs/ACCURACY.md.
-BUDGET_ONLY = ("h2o", "prefill")
 
 
 class KVMethod:
@@ -113,10 +110,17 @@ def make_method(name: str | None, schedule: str | None, budget: int | None, evic
                 sinks: int | None = None, recent: int | None = None, window: int | None = None,
                 pool: int | None = None) -> KVMethod:
     """The method for a request, or a ValueError naming what is wrong with its settings.
-    No name: the full cache, or BUDGET_ONLY if a budget is given. No budget: DEFAULT_BUDGET.
-    None for schedule, sinks, recent, window or pool takes the ranking's default."""
-    if name is None:
-        name, schedule = ("full", schedule) if budget is None else (BUDGET_ONLY[0], schedule or BUDGET_ONLY[1])
+    No name: the full cache, or with a budget the recommended method (below). No budget:
+    DEFAULT_BUDGET. None for schedule, sinks, recent, window or pool takes the ranking's default."""
+    if name is None and budget is not None:
+        # Of all that evict while reading the prompt, the closest to the full cache in
+        # docs/ACCURACY.md: average attention, 4 sinks and half of what stays after an
+        # eviction kept for the most recent pairs.
+        name, schedule = "batchmax", schedule or "prefill"
+        sinks = 4 if sinks is None else sinks
+        if recent is None and isinstance(evict_every, int) and isinstance(budget, int):
+            recent = max(budget - evict_every, 0) // 2
+    name = name or "full"
     budget = DEFAULT_BUDGET if budget is None else budget
     if name not in METHODS:
         raise ValueError(f"unknown kv_method {name!r}; use one of {', '.join(METHODS)}")
