@@ -58,7 +58,7 @@ from models.shapes import SHAPES
 from nanokv import LLM, SamplingParams
 from nanokv.bench_hf import bench_vs_hf
 from nanokv.bench_prefix import bench_prefix
-from nanokv.eviction import parse_spec
+from nanokv.eviction import parse_spec, spec_argument
 from nanokv.kv_cache import KVCache
 from nanokv.runner import Timings
 
@@ -439,14 +439,6 @@ def plot(records: list[dict], path: str) -> None:
 
 # ----- command line ----------------------------------------------------------------------
 
-def method_spec(spec: str) -> str:
-    try:
-        parse_spec(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return spec
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags, with defaults that depend on the mode and the preset (the preset's win)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -462,7 +454,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(paper, sweep), the engine's own in workload mode")
     p.add_argument("--input-len", type=int)
     p.add_argument("--output-len", type=int)
-    p.add_argument("--methods", nargs="+", type=method_spec, help="methods: RANKING[@SCHEDULE][,KEY=INT...], "
+    p.add_argument("--methods", nargs="+", type=spec_argument, help="methods: RANKING[@SCHEDULE][,KEY=INT...], "
                    "KEY in sinks, recent, window, pool, every (e.g. full batchmax h2o@prefill,sinks=4)")
     p.add_argument("--budgets", type=int, nargs="+", default=[1024, 512], help="|kv| of every method but ed")
     p.add_argument("--ed-budgets", type=int, nargs="+", default=[2, 65], help="|kv| of ed")

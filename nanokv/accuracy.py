@@ -54,7 +54,7 @@ from typing import NamedTuple
 import torch
 
 from nanokv import LLM, SamplingParams
-from nanokv.eviction import parse_spec, schedule_name
+from nanokv.eviction import parse_spec, schedule_name, spec_argument
 
 FULL = "full"
 TARGET_FRACTION = 0.25      # the target: at a budget of 25% of the document, the best prefill-schedule method ...
@@ -317,7 +317,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--doc-tokens", type=int, default=4096, help="tokens per document")
     parser.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512, 1024],
                         help="KV budgets (pairs per KV head) for every method")
-    parser.add_argument("--methods", nargs="+", type=_method_spec, default=["batchmax", "decode_only"],
+    parser.add_argument("--methods", nargs="+", type=spec_argument, default=["batchmax", "decode_only"],
                         help="methods compared with the full cache: RANKING[@SCHEDULE][,KEY=INT...], "
                              "KEY in sinks, recent, window, pool, every (e.g. h2o@prefill,sinks=4)")
     parser.add_argument("--evict-every", type=int, default=64, help="p: pairs evicted at a time")
@@ -334,14 +334,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="quantized KV caches whose runs are compared with the unquantized full cache too")
     parser.add_argument("--out", default="docs/accuracy.json", help="where the JSON goes")
     return parser.parse_args(argv)
-
-
-def _method_spec(spec: str) -> str:
-    try:
-        parse_spec(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return spec
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -9,6 +9,7 @@ Kernels never know which method runs. Common to every ranking: the first
 """
 from __future__ import annotations
 
+import argparse
 from typing import TYPE_CHECKING
 
 import torch
@@ -200,6 +201,15 @@ def parse_spec(spec: str) -> dict:
                              f"{', '.join(SPEC_KEYS)}")
         fields[SPEC_KEYS[key]] = int(value)
     return fields
+
+
+def spec_argument(spec: str) -> str:
+    """argparse's type= for a method spec: the spec, checked, or the reason it is wrong."""
+    try:
+        parse_spec(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
 
 
 def schedule_name(fields: dict) -> str:
