@@ -154,8 +154,8 @@ class LLM:
             value = getattr(params, field)
             return getattr(cfg, field) if value is None else value
         method = make_method(setting("kv_method"), setting("kv_schedule"), setting("kv_budget"),
-                             setting("evict_every"), cfg.block_size, sinks=setting("kv_sinks"), recent=setting("kv_recent"),
-                             window=setting("kv_window"), pool=setting("kv_pool"))
+                             setting("evict_every"), cfg.block_size, sinks=setting("kv_sinks"),
+                             recent=setting("kv_recent"), window=setting("kv_window"), pool=setting("kv_pool"))
         if params.return_kept_positions and method.name == "full":
             raise ValueError("return_kept_positions needs an evicting kv_method (any but full); "
                              "with full every position is kept")

@@ -62,6 +62,10 @@ class PrefixCache:
         """The block is reclaimed for other contents (or was never filled: a failed step)."""
         del self.index[self.keys.pop(block)]
 
+    def commit(self) -> None:
+        """The scheduled step ran: its blocks hold what their keys say."""
+        self.pending.clear()
+
     def forget_pending(self) -> None:
         """The scheduled step did not run: its blocks hold nothing."""
         for block in self.pending:

@@ -90,7 +90,7 @@ class Scheduler:
         takes it; one that copies holds its sources while its own blocks are allocated, so it
         copies fewer rather than wait."""
         hits = self._cached_prefix(seq)
-        shares = seq.method.ranking is None
+        shares = seq.method.shares_blocks
         needed = self.blocks.blocks_for(seq.method.reserve_slots(seq)) - (len(hits) if shares else 0)
         taken = sum(self.blocks.ref_counts[block] == 0 for block, _ in hits)
         while hits and not shares and not self.blocks.can_allocate(needed + taken):
@@ -103,13 +103,13 @@ class Scheduler:
         if self.blocks.cache is None or seq.prompt_logprobs is not None:
             return []
         limit = min(seq.method.reusable_tokens(seq), seq.num_tokens - 1)
-        return self.blocks.cache.match(seq.token_ids, limit, computed=seq.method.ranking is not None)
+        return self.blocks.cache.match(seq.token_ids, limit, computed=not seq.method.shares_blocks)
 
     def _admit(self, seq: Sequence, hits: list[tuple[int, int]], needed: int, batch: ScheduledBatch) -> None:
         cached = [block for block, _ in hits]
         self.blocks.share(cached)
         own = self.blocks.allocate(needed)
-        if seq.method.ranking is None:
+        if seq.method.shares_blocks:
             seq.block_table = cached + own
             seq.prefix_serials = [serial for _, serial in hits]
         else:   # a copy of its own, made by the runner
@@ -133,7 +133,7 @@ class Scheduler:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         full = (seq.num_computed_tokens + n) // self.blocks.block_size
-        if self.blocks.cache is not None and seq.method.ranking is None and full > len(seq.prefix_serials):
+        if self.blocks.cache is not None and seq.method.shares_blocks and full > len(seq.prefix_serials):
             self.blocks.cache.add(seq.prefix_serials, seq.block_table, seq.token_ids, seq.num_computed_tokens + n)
         return n
 
@@ -164,7 +164,7 @@ class Scheduler:
         """Record the step: tokens computed, blocks emptied by eviction, tokens sampled
         (seq_id -> token). Returns the sequences now done, with why; the caller finishes them."""
         if self.blocks.cache is not None:
-            self.blocks.cache.pending.clear()   # the blocks the step filled are computed
+            self.blocks.cache.commit()   # the blocks the step filled are computed
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             seq.num_kv_slots += n

@@ -35,6 +35,9 @@ class KVMethod:
         self.schedule, self.ranking = schedule or Schedule(), ranking
         self.sinks, self.recent, self.name = sinks, recent, name
         self.needs_scores = ranking is not None and ranking.needs_scores
+        # It never evicts, so it never writes into its blocks after filling them: it may share
+        # them with other sequences through the prefix cache (others take a private copy).
+        self.shares_blocks = ranking is None
         self.evicts_eagerly = self.schedule.evicts_eagerly
 
     def evict_count(self, seq: Sequence) -> int:
@@ -79,7 +82,7 @@ class KVMethod:
         the first eviction, and none whose query's attention would count (a query skipped
         adds no score): none for batchmax and h2o, whose scores count every query, and for
         tova and snapkv only those before their window."""
-        if self.ranking is None:
+        if self.shares_blocks:
             return seq.num_tokens
         if self.needs_scores and not self.windowed:
             return 0
