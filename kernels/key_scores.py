@@ -13,15 +13,18 @@ a prefill chunk the attention kernel has only kept each query's log-sum-exp
 which is exactly the softmax the attention used, without its running max or
 a second pass over V.
 
-Batch layout is that of kernels/attention.py: sequence b owns query rows
-cu_seqlens_q[b]:cu_seqlens_q[b+1], its context is the first context_lens[b]
-slots (its new tokens last), and query j sees slots 0 .. context_len - q_len + j.
+With square_scores [B] bool, a sequence whose flag is set adds p**2 instead of p
+(KV-Compress's squared-attention metric, Sec. 4.3), still summed over the
+queries and the query heads of the group.
+
+Batch and cache layout are those of kernels/attention.py and kernels/kv_store.py:
+sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1], its KV head h
+holds context_lens[b, h] slots in the pages block_tables[b, h] (its new tokens
+last), and query j sees slots 0 .. context_lens[b, h] - q_len + j of head h.
 score_from [B] int32, if given, makes only the queries j >= score_from[b] of
 sequence b count (windowed rankings: SnapKV's observation window, TOVA's last
-query); a per-sequence tensor, so one batch mixes rules and a CUDA graph
-replays for any window. block_tables is either [B, max_blocks], shared by all KV heads, or
-[B, Hkv, max_blocks], one table per KV head (after per-head eviction the
-same slot of two heads may live in different blocks).
+query); per-sequence tensors, so one batch mixes rules and a CUDA graph
+replays for any window.
 """
 
 import torch
@@ -32,49 +35,44 @@ from kernels.attention_triton import _block_table_strides, _check_cache, _dot_co
 from kernels.kv_store import dequantize, from_cache, kernel_view
 
 
-def _per_head_tables(block_tables: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """[B, nb] or [B, Hkv, nb] -> [B, Hkv, nb] (a view: the shared table repeated per head)."""
-    if block_tables.dim() == 3:
-        return block_tables
-    return block_tables[:, None].expand(-1, num_kv_heads, -1)
-
-
 def accumulate_key_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, score_cache: torch.Tensor,
                               block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                               context_lens: torch.Tensor, lse: torch.Tensor, scale: float,
-                              score_from: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None) -> None:
-    """Add to score_cache [num_blocks, Hkv, bs] (fp32, in place) the attention
-    probabilities that the queries q [T, Hq, D] gave each key of their context,
+                              score_from: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
+                              square_scores: torch.Tensor | None = None) -> None:
+    """Add to score_cache [P, bs] (fp32, in place) the attention probabilities (squared
+    where square_scores[b]) that the queries q [T, Hq, D] gave each key of their context,
     summed over the queries and over the G = Hq / Hkv query heads of each KV head.
 
     lse [T, Hq] is each query's log softmax denominator, as returned by
     paged_attention_ref(..., return_lse=True). The oracle of
-    accumulate_key_scores_triton: one sequence at a time, in fp32. kv_scales: a quantized
-    cache's (kernels/kv_store.py).
+    accumulate_key_scores_triton: one sequence at a time, all its heads padded to the
+    longest, in fp32. kv_scales: a quantized cache's (kernels/kv_store.py).
     """
     Hq, D = q.shape[1:]
-    Hkv, block_size = k_cache.shape[1:3]
+    Hkv, block_size = block_tables.shape[1], k_cache.shape[1]
     G = Hq // Hkv
-    tables = _per_head_tables(block_tables, Hkv)
-    heads = torch.arange(Hkv, device=q.device)[:, None]
     for b in range(len(context_lens)):
         start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        n, context_len = end - start, int(context_lens[b])
-        slots = torch.arange(context_len, device=q.device)
-        blocks = tables[b][:, slots // block_size]                      # [Hkv, L]
-        offsets = slots % block_size
-        k_scale = None if kv_scales is None else kv_scales[blocks, heads, offsets, 0]
-        k = dequantize(k_cache[blocks, heads, offsets], k_scale).float()  # [Hkv, L, D]
+        n, lens = end - start, context_lens[b]                          # lens [Hkv]
+        slots = torch.arange(int(lens.max()), device=q.device)
+        held = slots < lens[:, None]                                    # [Hkv, L]
+        pages = block_tables[b][:, slots // block_size].long()          # [Hkv, L]
+        offsets = (slots % block_size).expand_as(pages)
+        k_scale = None if kv_scales is None else kv_scales[pages, offsets, 0]
+        k = dequantize(k_cache[pages, offsets], k_scale).float()         # [Hkv, L, D]
         q_b = q[start:end].float().view(n, Hkv, G, D)
         lse_b = lse[start:end].view(n, Hkv, G).permute(1, 2, 0)          # [Hkv, G, n]
         logits = torch.einsum("nhgd,hld->hgnl", q_b, k) * scale
-        query_slot = context_len - n + torch.arange(n, device=q.device)
-        visible = slots[None, :] <= query_slot[:, None]                  # [n, L]
+        query_slot = lens[:, None] - n + torch.arange(n, device=q.device)   # [Hkv, n]
+        visible = slots <= query_slot[..., None]                        # [Hkv, n, L]; implies held
         if score_from is not None:
             visible &= (torch.arange(n, device=q.device) >= int(score_from[b]))[:, None]
         # Masked, not multiplied: exp of an unseen key's logit may overflow to inf.
-        probs = torch.exp(logits - lse_b[..., None]).masked_fill(~visible, 0.0)
-        score_cache[blocks, heads, offsets] += probs.sum(dim=(1, 2))
+        probs = torch.exp(logits - lse_b[..., None]).masked_fill(~visible[:, None], 0.0)
+        if square_scores is not None and bool(square_scores[b]):
+            probs = probs ** 2
+        score_cache[pages[held], offsets[held]] += probs.sum(dim=(1, 2))[held]
 
 
 @triton.jit

@@ -1,19 +1,26 @@
 """Writing new K/V rows into the paged cache.
 
-Cache layout, per layer (one source of truth, see nanokv/kv_cache.py):
-    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
-    pos_cache:        [num_blocks, num_kv_heads, block_size] int32
-    score_cache:      [num_blocks, num_kv_heads, block_size] float32
-    kv_scales:        [num_blocks, num_kv_heads, block_size, 2] float32, a quantized cache only
-A slot is `block * block_size + offset`. Each KV head has its own position
-and score per slot: after eviction, slot j of head 0 and slot j of head 1 may
-hold different tokens.
+Cache layout (the one source of truth; nanokv/kv_cache.py allocates it). One pool
+of P pages shared by every layer; a page holds block_size slots of ONE (layer,
+KV head) of one sequence (KV-Compress, Sec. 4.2.1), so each head of each layer
+has its own block table and its own context length, and a head's pages are
+freed on their own:
+    k_cache, v_cache: [P, block_size, head_dim]
+    kv_scales:        [P, block_size, 2] float32, a quantized cache only
+    pos_cache:        [P, block_size] int32, the position of the token in the slot
+    score_cache:      [P, block_size] float32, the slot's eviction score
+    block_tables:     [B, Hkv, max_pages] int32 page ids of one layer (unused entries 0)
+    context_lens:     [B, Hkv] int32 slots held per (sequence, KV head)
+A slot is `page * block_size + offset`. A kernel is called per layer with the
+whole pool; the layer's block tables select its pages. Heads of one sequence
+may hold different numbers of slots (after per-head eviction), and slot j of
+head 0 and slot j of head 1 may hold different tokens.
 
-A quantized cache (k_cache and v_cache int8 or fp8 e4m3) stores each head's
-row of D values as value / scale, symmetric, with one fp32 scale per (slot,
-KV head) for K (kv_scales[..., 0]) and one for V ([..., 1]): amax / QUANT_MAX,
-so the row's largest magnitude maps to the format's largest. Kernels dequantize
-as they load (value * scale); an unquantized cache has no scales. An fp8 cache
+A quantized cache (k_cache and v_cache int8 or fp8 e4m3) stores each slot's
+row of D values as value / scale, symmetric, with one fp32 scale per slot for
+K (kv_scales[..., 0]) and one for V ([..., 1]): amax / QUANT_MAX, so the row's
+largest magnitude maps to the format's largest. Kernels dequantize as they
+load (value * scale); an unquantized cache has no scales. An fp8 cache
 reaches the Triton kernels as its bytes (kernel_view), which they encode and
 decode with integer ops: sm_80 has no fp8 type, and the interpreter truncates
 conversions to fp8.
@@ -73,21 +80,22 @@ def _to_cache(x, dtype: tl.constexpr):
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              pos_cache: torch.Tensor, score_cache: torch.Tensor,
              slot_mapping: torch.Tensor, positions: torch.Tensor, kv_scales: torch.Tensor | None = None) -> None:
-    """Write k, v [T, Hkv, D] to their slots [T] (slot -1 = padding, skipped), quantized with
-    their scales in kv_scales if the cache is int8 or fp8, record each token's position for
-    every head and reset its score to 0."""
+    """Write k, v [T, Hkv, D] to their slots: token t's pair of KV head h goes to slot
+    slot_mapping[t, h] ([T, Hkv] int64; -1 = padding, skipped), quantized with its scales in
+    kv_scales if the cache is int8 or fp8; record the token's position (positions [T]) in
+    each slot and reset its score to 0."""
     keep = slot_mapping >= 0
-    if not keep.all():
-        slot_mapping, k, v, positions = slot_mapping[keep], k[keep], v[keep], positions[keep]
-    block_size = k_cache.shape[2]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    slots, k, v = slot_mapping[keep], k[keep], v[keep]                 # [N], [N, D], [N, D]
+    positions = positions[:, None].expand(slot_mapping.shape)[keep]
+    block_size = k_cache.shape[1]
+    pages, offsets = slots // block_size, slots % block_size
     if k_cache.dtype in QUANT_MAX:
         (k, k_scale), (v, v_scale) = quantize(k, k_cache.dtype), quantize(v, v_cache.dtype)
-        kv_scales[blocks, :, offsets] = torch.stack([k_scale, v_scale], dim=-1)
-    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
-    pos_cache[blocks, :, offsets] = positions.to(pos_cache.dtype).unsqueeze(1)
-    score_cache[blocks, :, offsets] = 0.0
+        kv_scales[pages, offsets] = torch.stack([k_scale, v_scale], dim=-1)
+    k_cache[pages, offsets] = k.to(k_cache.dtype)
+    v_cache[pages, offsets] = v.to(v_cache.dtype)
+    pos_cache[pages, offsets] = positions.to(pos_cache.dtype)
+    score_cache[pages, offsets] = 0.0
 
 
 @triton.jit

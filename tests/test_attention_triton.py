@@ -49,37 +49,41 @@ def poisoned_allocations(monkeypatch):
 
 
 # ----------------------------------------------------------------------------
-# Builders
+# Builders (the layout: kernels/kv_store.py)
 # ----------------------------------------------------------------------------
 
-def make_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype, device):
-    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+def make_cache(num_pages, block_size, head_dim, dtype, device):
+    shape = (num_pages, block_size, head_dim)
     return (torch.randn(shape, device=device).to(dtype), torch.randn(shape, device=device).to(dtype))
 
 
-def scattered_tables(context_lens, block_size, num_blocks, width, num_kv_heads=None, device="cpu"):
-    """Block tables [B, width] (or [B, Hkv, width] with its own blocks per head)
-    whose ids are a random permutation of the pool: non-contiguous, and never
-    shared. Unused entries are 0, as the runner pads them."""
-    heads = 1 if num_kv_heads is None else num_kv_heads
-    needed = [-(-n // block_size) for n in context_lens]
-    assert heads * sum(needed) <= num_blocks and max(needed) <= width
-    ids = torch.randperm(num_blocks).tolist()
-    tables = torch.zeros(len(context_lens), heads, width, dtype=torch.int32)
-    for b, n in enumerate(needed):
-        for h in range(heads):
-            tables[b, h, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
-    tables = tables.to(device)
-    return tables[:, 0] if num_kv_heads is None else tables
+def ragged(lens, num_kv_heads, fewest):
+    """Context lengths [B, Hkv] int32: head 0 of sequence b holds lens[b] slots, every other
+    head a random number from fewest[b] to lens[b], as after per-head eviction."""
+    return torch.tensor([[n] + torch.randint(f, n + 1, (num_kv_heads - 1,)).tolist() for n, f in zip(lens, fewest)],
+                        dtype=torch.int32)
 
 
-def varlen_batch(chunks, num_heads, head_dim, dtype, device):
-    """chunks: (prior context, q_len) per sequence -> q, cu_seqlens_q, context_lens."""
+def scattered_tables(context_lens, block_size, num_pages, width, device="cpu"):
+    """Block tables [B, Hkv, width] for context_lens [B, Hkv], whose page ids are a random
+    permutation of the pool: non-contiguous, and never shared. Unused entries are 0, as
+    the runner pads them."""
+    needed = (context_lens.cpu() + block_size - 1) // block_size
+    assert int(needed.sum()) <= num_pages and int(needed.max()) <= width
+    used = torch.arange(width) < needed[..., None]
+    tables = torch.zeros(used.shape, dtype=torch.int32)
+    tables[used] = torch.randperm(num_pages, dtype=torch.int32)[:int(needed.sum())]
+    return tables.to(device)
+
+
+def varlen_batch(chunks, num_kv_heads, group, head_dim, dtype, device):
+    """chunks: (prior context, q_len) per sequence -> q, cu_seqlens_q, context_lens [B, Hkv]
+    (ragged: head 0 holds prior + q_len slots, the other heads q_len and part of the prior)."""
     q_lens = torch.tensor([n for _, n in chunks], dtype=torch.int32)
     cu_seqlens_q = torch.zeros(len(chunks) + 1, dtype=torch.int32)
     cu_seqlens_q[1:] = q_lens.cumsum(0)
-    context_lens = torch.tensor([p + n for p, n in chunks], dtype=torch.int32)
-    q = torch.randn(int(cu_seqlens_q[-1]), num_heads, head_dim, device=device).to(dtype)
+    context_lens = ragged([p + n for p, n in chunks], num_kv_heads, q_lens.tolist())
+    q = torch.randn(int(cu_seqlens_q[-1]), num_kv_heads * group, head_dim, device=device).to(dtype)
     return q, cu_seqlens_q.to(device), context_lens.to(device)
 
 
@@ -90,31 +94,42 @@ def mixed_chunks(block_size):
     return [(0, 37), (block_size + 3, 45), (0, block_size)] + decodes + [(30, 70)]
 
 
-def reference_per_head(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale):
-    """The oracle for [B, Hkv, nb] tables: one KV head (and its query heads) at a time."""
-    Hkv = k_cache.shape[1]
-    G = q.shape[1] // Hkv
-    outs, lses = zip(*(paged_attention_ref(q[:, h * G:(h + 1) * G], k_cache[:, h:h + 1], v_cache[:, h:h + 1],
-                                           tables[:, h], cu_seqlens_q, context_lens, scale, return_lse=True)
-                       for h in range(Hkv)))
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+def mixed_squares(batch_size, device):
+    """square_scores [B] with both kinds of sequence: every other one squares."""
+    return torch.arange(batch_size, device=device) % 2 == 1
 
 
-def dense_key_scores(q, k_cache, tables, context_lens, scale):
-    """float64 key scores, [num_blocks, Hkv, block_size]: for each slot, the softmax
-    probabilities its key got from the decode queries, summed over the query
-    heads of its KV head. tables: [B, Hkv, nb]."""
-    num_blocks, Hkv, block_size, _ = k_cache.shape
-    G = q.shape[1] // Hkv
-    scores = torch.zeros(num_blocks, Hkv, block_size, dtype=torch.float64, device=q.device)
-    for b, n in enumerate(context_lens.tolist()):
-        slots = torch.arange(n, device=q.device)
+def dense_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
+                    score_from=None, square_scores=None):
+    """The float64 oracle, each (sequence, KV head) on its own with its keys walked slot by
+    slot: out [T, Hq, D], lse [T, Hq] (-inf for a head with no slots) and the key scores
+    [P, bs] the queries add (from query score_from[b] on; squared where square_scores[b])."""
+    T, Hq, D = q.shape
+    Hkv, block_size = tables.shape[1], k_cache.shape[1]
+    G = Hq // Hkv
+    out = torch.zeros(T, Hq, D, dtype=torch.float64, device=q.device)
+    lse = torch.full((T, Hq), float("-inf"), dtype=torch.float64, device=q.device)
+    scores = torch.zeros(k_cache.shape[:2], dtype=torch.float64, device=q.device)
+    for b in range(len(context_lens)):
+        start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        n, rows = end - start, slice(start, end)
         for h in range(Hkv):
-            blocks = tables[b, h, slots // block_size].long()
-            k = k_cache[blocks, h, slots % block_size].double()
-            probs = (q[b, h * G:(h + 1) * G].double() @ k.T * scale).softmax(dim=-1)
-            scores[blocks, h, slots % block_size] += probs.sum(0)
-    return scores
+            heads, slots = slice(h * G, (h + 1) * G), torch.arange(int(context_lens[b, h]), device=q.device)
+            if len(slots) == 0:
+                continue
+            pages, offsets = tables[b, h, slots // block_size].long(), slots % block_size
+            k, v = k_cache[pages, offsets].double(), v_cache[pages, offsets].double()
+            logits = torch.einsum("ngd,ld->gnl", q[rows, heads].double(), k) * scale
+            visible = slots <= (len(slots) - n + torch.arange(n, device=q.device))[:, None]
+            logits.masked_fill_(~visible, float("-inf"))
+            probs = logits.softmax(dim=-1)
+            out[rows, heads] = torch.einsum("gnl,ld->ngd", probs, v)
+            lse[rows, heads] = logits.logsumexp(dim=-1).T
+            counted = probs[:, max(int(score_from[b]), 0):] if score_from is not None else probs
+            if square_scores is not None and square_scores[b]:
+                counted = counted ** 2
+            scores[pages, offsets] += counted.sum(dim=(0, 1))
+    return out, lse, scores
 
 
 def assert_close(actual, expected, tol, what):
@@ -126,13 +141,27 @@ def assert_close(actual, expected, tol, what):
 # Prefill, chunked prefill and mixed batches
 # ----------------------------------------------------------------------------
 
+def test_reference_matches_dense():
+    """The oracle itself: a mixed batch with ragged heads, against the float64 walk."""
+    block_size, Hkv, G, D = 16, 3, 2, 32
+    chunks = mixed_chunks(block_size)
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv, G, D, torch.float32, "cpu")
+    width = -(-int(context_lens.max()) // block_size)
+    k_cache, v_cache = make_cache(len(chunks) * Hkv * width, block_size, D, torch.float32, "cpu")
+    tables = scattered_tables(context_lens, block_size, len(k_cache), width)
+    out, lse = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.2, return_lse=True)
+    dense_out, dense_lse, _ = dense_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.2)
+    assert_close(out, dense_out, 1e-5, "out")
+    assert_close(lse, dense_lse, 1e-5, "lse")
+
+
 def check_mixed_batch(dtype, G, head_dim, block_size, num_kv_heads, device, chunks=None):
     chunks = chunks or mixed_chunks(block_size)
-    q, cu_seqlens_q, context_lens = varlen_batch(chunks, num_kv_heads * G, head_dim, dtype, device)
-    width = max(-(-int(n) // block_size) for n in context_lens) + 2
-    num_blocks = len(chunks) * width
-    k_cache, v_cache = make_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype, device)
-    tables = scattered_tables(context_lens.tolist(), block_size, num_blocks, width, device=device)
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, num_kv_heads, G, head_dim, dtype, device)
+    width = -(-int(context_lens.max()) // block_size) + 2
+    num_pages = len(chunks) * num_kv_heads * width
+    k_cache, v_cache = make_cache(num_pages, block_size, head_dim, dtype, device)
+    tables = scattered_tables(context_lens, block_size, num_pages, width, device=device)
     scale = head_dim ** -0.5
     max_query_len = max(n for _, n in chunks)
     out, lse = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
@@ -163,9 +192,9 @@ def test_decode_rows_only(G):
     """A batch of single-query rows takes the small query tile; max_query_len is left to the wrapper."""
     block_size = 16
     q, cu_seqlens_q, context_lens = varlen_batch([(n - 1, 1) for n in (1, 15, 16, 17, 90)],
-                                                 2 * G, 64, torch.float32, KERNEL_DEVICE)
-    k_cache, v_cache = make_cache(40, 2, block_size, 64, torch.float32, KERNEL_DEVICE)
-    tables = scattered_tables(context_lens.tolist(), block_size, 40, 8)
+                                                 2, G, 64, torch.float32, KERNEL_DEVICE)
+    k_cache, v_cache = make_cache(60, block_size, 64, torch.float32, KERNEL_DEVICE)
+    tables = scattered_tables(context_lens, block_size, 60, 8, device=KERNEL_DEVICE)
     out, lse = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
                                       return_lse=True)
     ref_out, ref_lse = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
@@ -176,65 +205,41 @@ def test_decode_rows_only(G):
                                               max_query_len=1), out)
 
 
-def test_per_head_block_tables():
-    """[B, Hkv, nb] tables: the shared table expanded gives the 2-D result exactly;
-    tables whose heads use different blocks match the oracle run head by head."""
-    dtype, G, Hkv, D, block_size = torch.float16, 3, 3, 64, 16
-    chunks = [(0, 20), (18, 1), (40, 30), (16, 1)]
-    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv * G, D, dtype, KERNEL_DEVICE)
-    num_blocks = 64
-    k_cache, v_cache = make_cache(num_blocks, Hkv, block_size, D, dtype, KERNEL_DEVICE)
-    args = (cu_seqlens_q, context_lens, D ** -0.5)
-
-    shared = scattered_tables(context_lens.tolist(), block_size, num_blocks, 6)
-    out_2d, lse_2d = paged_attention_triton(q, k_cache, v_cache, shared, *args, return_lse=True)
-    expanded = shared[:, None].expand(-1, Hkv, -1)
-    out_3d, lse_3d = paged_attention_triton(q, k_cache, v_cache, expanded, *args, return_lse=True)
-    assert torch.equal(out_3d, out_2d) and torch.equal(lse_3d, lse_2d)
-    copied = paged_attention_triton(q, k_cache, v_cache, expanded.contiguous(), *args)
-    assert torch.equal(copied, out_2d)
-
-    per_head = scattered_tables(context_lens.tolist(), block_size, num_blocks, 6, num_kv_heads=Hkv)
-    out, lse = paged_attention_triton(q, k_cache, v_cache, per_head, *args, return_lse=True)
-    ref_out, ref_lse = reference_per_head(q, k_cache, v_cache, per_head, *args)
-    assert_close(out, ref_out, TOL[dtype][0], "out")
-    assert_close(lse, ref_lse, TOL[dtype][1], "lse")
-
-
 # ----------------------------------------------------------------------------
 # Decode: split + merge, and key scores
 # ----------------------------------------------------------------------------
 
-def check_decode(dtype, G, head_dim, block_size, num_kv_heads, num_splits, device,
-                 context_lens=None, per_head_tables=False):
-    """Decode with key scores added onto a nonzero score cache, against the
-    oracle (out, lse) and a dense float64 softmax (scores). Rows with
+def decode_batch(lens, num_kv_heads, G, head_dim, block_size, dtype, device, spare=3):
+    """Decode inputs for head-0 context lengths `lens` (0: a CUDA-graph padding row, every
+    head empty; others ragged): q, k_cache, v_cache, tables, context_lens [B, Hkv]."""
+    context_lens = ragged(lens, num_kv_heads, [min(n, 1) for n in lens])
+    width = -(-max(lens) // block_size) + 1
+    num_pages = len(lens) * num_kv_heads * width + spare      # some pages stay unused
+    k_cache, v_cache = make_cache(num_pages, block_size, head_dim, dtype, device)
+    tables = scattered_tables(context_lens, block_size, num_pages, width, device=device)
+    q = torch.randn(len(lens), num_kv_heads * G, head_dim, device=device).to(dtype)
+    return q, k_cache, v_cache, tables, context_lens.to(device)
+
+
+def check_decode(dtype, G, head_dim, block_size, num_kv_heads, num_splits, device, lens=None):
+    """Decode with key scores (squared for every other sequence) added onto a nonzero score
+    cache, against the oracle (out, lse) and the float64 walk (scores). Rows with
     context_len 0 must come out 0, without NaN."""
-    if context_lens is None:
-        context_lens = [0, 1, block_size - 1, block_size, block_size + 1, 150, 0]
-    B, Hkv, Hq = len(context_lens), num_kv_heads, num_kv_heads * G
-    width = max(-(-n // block_size) for n in context_lens) + 1
-    num_blocks = (Hkv if per_head_tables else 1) * B * width + 3      # some blocks stay unused
-    k_cache, v_cache = make_cache(num_blocks, Hkv, block_size, head_dim, dtype, device)
-    tables = scattered_tables(context_lens, block_size, num_blocks, width,
-                              num_kv_heads=Hkv if per_head_tables else None, device=device)
-    tables_3d = tables if per_head_tables else tables[:, None].expand(-1, Hkv, -1)
-    context_lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
-    q = torch.randn(B, Hq, head_dim, device=device).to(dtype)
-    scale = head_dim ** -0.5
-    score_cache = torch.rand(num_blocks, Hkv, block_size, device=device) + 1.0
+    lens = lens or [0, 1, block_size - 1, block_size, block_size + 1, 150, 0]
+    q, k_cache, v_cache, tables, context_lens = decode_batch(lens, num_kv_heads, G, head_dim, block_size, dtype,
+                                                             device)
+    B, scale = len(lens), head_dim ** -0.5
+    square = mixed_squares(B, device)
+    score_cache = torch.rand(k_cache.shape[:2], device=device) + 1.0
     before = score_cache.clone()
 
     out, lse = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, scale, num_splits,
-                                             return_lse=True, score_cache=score_cache)
+                                             return_lse=True, score_cache=score_cache, square_scores=square)
 
-    live = context_lens > 0
+    live = context_lens[:, 0] > 0
     cu_seqlens_q = torch.arange(B + 1, dtype=torch.int32, device=device)
-    if per_head_tables:
-        ref_out, ref_lse = reference_per_head(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale)
-    else:
-        ref_out, ref_lse = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
-                                               return_lse=True)
+    ref_out, ref_lse = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
+                                           return_lse=True)
     out_tol, lse_tol = TOL[dtype]
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert_close(out[live], ref_out[live], out_tol, "out")
@@ -242,7 +247,8 @@ def check_decode(dtype, G, head_dim, block_size, num_kv_heads, num_splits, devic
     assert torch.equal(out[~live], torch.zeros_like(out[~live])), "context_len 0 rows must be 0"
     assert (lse[~live] == float("-inf")).all()
 
-    added = dense_key_scores(q, k_cache, tables_3d, context_lens, scale)
+    added = dense_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
+                            square_scores=square)[2]
     touched = added != 0
     assert_close(score_cache, before.double() + added, SCORE_TOL[dtype], "score_cache")
     assert torch.equal(score_cache[~touched], before[~touched]), "slots nobody sees must be untouched"
@@ -260,43 +266,31 @@ def test_decode(dtype, G, head_dim, block_size, num_splits):
     check_decode(dtype, G, head_dim, block_size, num_kv_heads=2, num_splits=num_splits, device=KERNEL_DEVICE)
 
 
-def test_decode_per_head_tables():
-    check_decode(torch.float16, 3, 64, 16, num_kv_heads=3, num_splits=3, device=KERNEL_DEVICE,
-                 context_lens=[17, 0, 100, 1], per_head_tables=True)
-
-
 def test_decode_without_scores_matches():
     """The score path only adds work: out and lse are the same without it."""
-    Hkv, G, D, block_size = 2, 4, 64, 16
-    context_lens = torch.tensor([5, 70, 33], dtype=torch.int32)
-    k_cache, v_cache = make_cache(20, Hkv, block_size, D, torch.float32, KERNEL_DEVICE)
-    tables = scattered_tables(context_lens.tolist(), block_size, 20, 6)
-    q = torch.randn(3, Hkv * G, D)
-    scores = torch.zeros(20, Hkv, block_size)
-    with_scores = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, 3,
-                                                return_lse=True, score_cache=scores)
-    without = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, 3, return_lse=True)
+    q, k_cache, v_cache, tables, context_lens = decode_batch([5, 70, 33], 2, 4, 64, 16, torch.float32,
+                                                             KERNEL_DEVICE)
+    scores = torch.zeros(k_cache.shape[:2], device=KERNEL_DEVICE)
+    args = (q, k_cache, v_cache, tables, context_lens, 0.125, 3)
+    with_scores = paged_decode_attention_triton(*args, return_lse=True, score_cache=scores)
+    without = paged_decode_attention_triton(*args, return_lse=True)
     assert torch.equal(with_scores[0], without[0]) and torch.equal(with_scores[1], without[1])
-    assert not isinstance(paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, 3),
-                          tuple)
+    assert not isinstance(paged_decode_attention_triton(*args), tuple)
 
 
 def test_decode_scores_only_where_score_from_allows():
     """score_from > 0: the sequence's one query is before its window, so it adds no score
-    (windowed rankings); its output is the same either way."""
-    Hkv, G, D, block_size = 2, 3, 64, 16
-    context_lens = torch.tensor([5, 70, 33, 300], dtype=torch.int32, device=KERNEL_DEVICE)
+    (windowed rankings); its output is the same either way, and so with squared scores."""
+    q, k_cache, v_cache, tables, context_lens = decode_batch([5, 70, 33, 300], 2, 3, 64, 16, torch.float32,
+                                                             KERNEL_DEVICE)
     score_from = torch.tensor([0, 1, -3, 2**31 - 1], dtype=torch.int32, device=KERNEL_DEVICE)
-    k_cache, v_cache = make_cache(40, Hkv, block_size, D, torch.float32, KERNEL_DEVICE)
-    tables = scattered_tables(context_lens.tolist(), block_size, 40, 20, device=KERNEL_DEVICE)
-    q = torch.randn(4, Hkv * G, D, device=KERNEL_DEVICE)
-    scores = torch.zeros(40, Hkv, block_size, device=KERNEL_DEVICE)
-    out = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, 3, score_cache=scores,
-                                        score_from=score_from)
-    without = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, 3)
-    assert torch.equal(out, without)
-    counted = torch.where(score_from <= 0, context_lens, 0)
-    expected = dense_key_scores(q, k_cache, tables[:, None].expand(-1, Hkv, -1), counted, 0.125)
+    square = torch.tensor([False, True, True, False], device=KERNEL_DEVICE)
+    scores = torch.zeros(k_cache.shape[:2], device=KERNEL_DEVICE)
+    args = (q, k_cache, v_cache, tables, context_lens, 0.125, 3)
+    out = paged_decode_attention_triton(*args, score_cache=scores, score_from=score_from, square_scores=square)
+    assert torch.equal(out, paged_decode_attention_triton(*args))
+    expected = dense_attention(q, k_cache, v_cache, tables, torch.arange(5, device=KERNEL_DEVICE), context_lens,
+                               0.125, score_from=score_from, square_scores=square)[2]
     assert_close(scores, expected, SCORE_TOL[torch.float32], "scores")
 
 
@@ -304,60 +298,65 @@ def test_decode_workspace_reuse():
     """As under CUDA-graph replay: one workspace and one logits scratch, sized for a
     bigger batch, serve calls whose context lengths change; they are never cleared."""
     Hkv, G, D, block_size, num_splits, width = 2, 3, 64, 16, 4, 8
+    q, k_cache, v_cache, tables, _ = decode_batch([width * block_size] * 3, Hkv, G, D, block_size,
+                                                  torch.float16, KERNEL_DEVICE)
     workspace = decode_workspace(6 * Hkv * G * num_splits, D, device=KERNEL_DEVICE)
-    logits = logits_scratch(32, Hkv * G, block_size, KERNEL_DEVICE)
-    k_cache, v_cache = make_cache(32, Hkv, block_size, D, torch.float16, KERNEL_DEVICE)
-    tables = scattered_tables([width * block_size] * 3, block_size, 32, width)
-    q = torch.randn(3, Hkv * G, D).to(torch.float16)
-    cu_seqlens_q = torch.arange(4, dtype=torch.int32)
+    logits = logits_scratch(len(k_cache), G, block_size, KERNEL_DEVICE)
+    cu_seqlens_q = torch.arange(4, dtype=torch.int32, device=KERNEL_DEVICE)
     for lens in ([100, 0, 3], [7, 128, 64]):
-        context_lens = torch.tensor(lens, dtype=torch.int32)
-        scores = torch.zeros(32, Hkv, block_size)
+        context_lens = ragged(lens, Hkv, [min(n, 1) for n in lens]).to(KERNEL_DEVICE)
+        scores = torch.zeros(k_cache.shape[:2], device=KERNEL_DEVICE)
         out = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, num_splits,
                                             score_cache=scores, logits=logits, workspace=workspace)
         ref = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125)
-        live = context_lens > 0
+        live = context_lens[:, 0] > 0
         assert_close(out[live], ref[live], TOL[torch.float16][0], "out")
-        expected = dense_key_scores(q, k_cache, tables[:, None].expand(-1, Hkv, -1), context_lens, 0.125)
+        expected = dense_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125)[2]
         assert_close(scores, expected, SCORE_TOL[torch.float16], "scores")
     with pytest.raises(ValueError, match="decode workspace holds"):
         paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, 64, workspace=workspace)
 
 
 def test_decode_splits_follow_each_context():
-    """Each sequence cuts its own context into splits of at least MIN_SPLIT slots, whatever
-    the table's width: a table as wide as a long max_model_len does not leave all the work
-    to one split, and a short context uses only its first splits."""
-    Hkv, G, D, block_size, num_splits = 1, 2, 16, 16, 8
+    """Each (sequence, KV head) cuts its own context into splits of at least MIN_SPLIT slots,
+    whatever the table's width: a table as wide as a long max_model_len does not leave all
+    the work to one split, and a short context uses only its first splits."""
+    G, D, block_size, num_splits = 2, 16, 16, 8
     width = 1024   # a 16k-slot table
     lens = [0, 100, MIN_SPLIT, MIN_SPLIT + 1, 3 * MIN_SPLIT, 8 * MIN_SPLIT + 5]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 1
-    k_cache, v_cache = make_cache(num_blocks, Hkv, block_size, D, torch.float16, KERNEL_DEVICE)
-    tables = scattered_tables(lens, block_size, num_blocks, width)
-    context_lens = torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(len(lens), Hkv * G, D).half()
-    workspace = decode_workspace(len(lens) * Hkv * G * num_splits, D, KERNEL_DEVICE)
+    context_lens = torch.tensor([lens, lens[::-1]], dtype=torch.int32).T.contiguous()   # two heads, unlike
+    num_pages = int(((context_lens + block_size - 1) // block_size).sum()) + 1
+    k_cache, v_cache = make_cache(num_pages, block_size, D, torch.float16, KERNEL_DEVICE)
+    tables = scattered_tables(context_lens, block_size, num_pages, width, device=KERNEL_DEVICE)
+    context_lens = context_lens.to(KERNEL_DEVICE)
+    q = torch.randn(len(lens), 2 * G, D, device=KERNEL_DEVICE).half()
+    workspace = decode_workspace(len(lens) * 2 * G * num_splits, D, KERNEL_DEVICE)
     out = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.25, num_splits,
                                         workspace=workspace)
     ref = paged_attention_ref(q, k_cache, v_cache, tables, torch.arange(len(lens) + 1, dtype=torch.int32),
                               context_lens, 0.25)
-    assert_close(out[1:], ref[1:], TOL[torch.float16][0], "out")   # row 0: context 0, no keys
-    _, partial_lse = workspace.views(len(lens), Hkv * G, num_splits, D)
-    used = (partial_lse[:, 0] > float("-inf")).sum(dim=-1).tolist()   # splits that held slots
+    # Rows 0 and 5 each have a head with no keys: compare the other head.
+    assert_close(out[1:, :G], ref[1:, :G], TOL[torch.float16][0], "out")
+    assert_close(out[:-1, G:], ref[:-1, G:], TOL[torch.float16][0], "out")
+    _, partial_lse = workspace.views(len(lens), 2 * G, num_splits, D)
+    used = (partial_lse[:, ::G] > float("-inf")).sum(dim=-1).T.tolist()   # splits that held slots, per head
     # 2053 slots: cdiv(2053, 8) = 257, a whole number of 64-slot fp16 tiles is 320, so 7 splits
     # (cut from the table's 16384 slots instead, split 0 would hold them all).
-    assert used == [0, 1, 1, 2, 3, 7]
+    assert used == [[0, 1, 1, 2, 3, 7], [7, 3, 2, 1, 1, 0]]
 
 
 def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
     """kernels.paged_attention with the decodes first: their rows go to flash-decoding,
-    the chunks to the prefill kernel; out and the key scores match the references."""
+    the chunks to the prefill kernel; out and the key scores (plain and squared) match
+    the references."""
     block_size, Hkv, G, D = 16, 2, 3, 64
     chunks = [(20, 1), (0, 1), (47, 1), (0, 37), (block_size + 3, 45)]
-    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv * G, D, torch.float32, KERNEL_DEVICE)
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv, G, D, torch.float32, KERNEL_DEVICE)
     width = 6
-    k_cache, v_cache = make_cache(len(chunks) * width, Hkv, block_size, D, torch.float32, KERNEL_DEVICE)
-    tables = scattered_tables(context_lens.tolist(), block_size, len(chunks) * width, width)
+    num_pages = len(chunks) * Hkv * width
+    k_cache, v_cache = make_cache(num_pages, block_size, D, torch.float32, KERNEL_DEVICE)
+    tables = scattered_tables(context_lens, block_size, num_pages, width, device=KERNEL_DEVICE)
+    square = mixed_squares(len(chunks), KERNEL_DEVICE)
     launched = []
     real_decode = kernels.paged_decode_attention_triton
     monkeypatch.setattr(kernels, "paged_decode_attention_triton",
@@ -367,9 +366,10 @@ def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
     try:
         for backend in ("torch", "triton"):
             kernels.set_backend(backend)
-            scores = torch.zeros(k_cache.shape[:3])
+            scores = torch.zeros(k_cache.shape[:2], device=KERNEL_DEVICE)
             out = kernels.paged_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
-                                          max_query_len=45, max_context_len=64, num_decodes=3, score_cache=scores)
+                                          max_query_len=45, max_context_len=64, num_decodes=3, score_cache=scores,
+                                          square_scores=square)
             results[backend] = out, scores
     finally:
         kernels.set_backend(before)
@@ -393,28 +393,27 @@ def test_mixed_batch_gpu(dtype, G, head_dim, block_size):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=param_id)
 @pytest.mark.parametrize("G,head_dim,block_size,num_splits", [(3, 64, 16, 16), (4, 128, 32, 7), (8, 128, 256, 32)])
-@pytest.mark.parametrize("per_head_tables", [False, True])
-def test_decode_gpu(dtype, G, head_dim, block_size, num_splits, per_head_tables):
+def test_decode_gpu(dtype, G, head_dim, block_size, num_splits):
     lens = [0, 1, block_size - 1, block_size, block_size + 1, 700, 4000, 0]
-    check_decode(dtype, G, head_dim, block_size, num_kv_heads=4, num_splits=num_splits, device="cuda",
-                 context_lens=lens, per_head_tables=per_head_tables)
+    check_decode(dtype, G, head_dim, block_size, num_kv_heads=4, num_splits=num_splits, device="cuda", lens=lens)
 
 
 @pytest.mark.gpu
 def test_decode_cuda_graph_replay():
-    """Captured once, replayed with other context lengths: the static grid at work."""
+    """Captured once, replayed with other (ragged) context lengths: the static grid at work."""
     Hkv, G, D, block_size, num_splits, width = 4, 3, 64, 16, 8, 64
-    k_cache, v_cache = make_cache(4 * width, Hkv, block_size, D, torch.bfloat16, "cuda")
-    tables = scattered_tables([width * block_size] * 4, block_size, 4 * width, width, device="cuda")
-    q = torch.randn(4, Hkv * G, D, device="cuda").to(torch.bfloat16)
-    context_lens = torch.tensor([1, 1, 1, 1], dtype=torch.int32, device="cuda")
-    scores = torch.zeros(4 * width, Hkv, block_size, device="cuda")
+    q, k_cache, v_cache, tables, context_lens = decode_batch([width * block_size] * 4, Hkv, G, D, block_size,
+                                                             torch.bfloat16, "cuda")
+    context_lens.fill_(1)
+    scores = torch.zeros(k_cache.shape[:2], device="cuda")
+    square = mixed_squares(4, "cuda")
     workspace = decode_workspace(4 * Hkv * G * num_splits, D, device="cuda")
-    logits = logits_scratch(4 * width, Hkv * G, block_size, "cuda")
+    logits = logits_scratch(len(k_cache), G, block_size, "cuda")
 
     def run():
         return paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, num_splits,
-                                             score_cache=scores, logits=logits, workspace=workspace)
+                                             score_cache=scores, logits=logits, workspace=workspace,
+                                             square_scores=square)
 
     run()   # compile outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -422,12 +421,13 @@ def test_decode_cuda_graph_replay():
         out = run()
     cu_seqlens_q = torch.arange(5, dtype=torch.int32, device="cuda")
     for lens in ([1000, 0, 17, 64], [3, 1024, 512, 999]):
-        context_lens.copy_(torch.tensor(lens))
+        context_lens.copy_(ragged(lens, Hkv, [min(n, 1) for n in lens]))
         scores.zero_()
         graph.replay()
         ref = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125)
-        live = context_lens > 0
+        live = context_lens[:, 0] > 0
         assert_close(out[live], ref[live], TOL[torch.bfloat16][0], "out")
         assert torch.equal(out[~live], torch.zeros_like(out[~live]))
-        expected = dense_key_scores(q, k_cache, tables[:, None].expand(-1, Hkv, -1), context_lens, 0.125)
+        expected = dense_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
+                                   square_scores=square)[2]
         assert_close(scores, expected, SCORE_TOL[torch.bfloat16], "scores")

@@ -104,23 +104,30 @@ def check_silu_and_mul(shape, dtype, device):
 
 
 def check_store_kv(T, block_size, Hkv, D, dtype, device):
-    num_blocks = 6
+    """store_kv_ref against a write through the flat slot index, and store_kv_triton against store_kv_ref."""
+    interior = (T * Hkv) // block_size + 2
+    num_pages = interior + 2
     _, _, k, v = fused_qkv(T, 2, Hkv, D, dtype, device)
-    # Distinct slots in random blocks, never the first or the last block: a padding token (-1)
-    # written by mistake at block -1 or at offset -1 of block 0 would land there.
-    interior = torch.arange(block_size, (num_blocks - 1) * block_size, device=device)
-    slot_mapping = interior[torch.randperm(len(interior), device=device)[:T]]
-    slot_mapping[torch.randperm(T, device=device)[:T // 4]] = -1  # padding tokens
+    # Distinct slots of random pages, never the first or the last page: a padding token (-1)
+    # written by mistake at page -1 or at offset -1 of page 0 would land there.
+    free = torch.arange(block_size, (num_pages - 1) * block_size, device=device)
+    slot_mapping = free[torch.randperm(len(free), device=device)[:T * Hkv]].view(T, Hkv)
+    slot_mapping[torch.randperm(T, device=device)[:T // 4]] = -1  # padding tokens: their whole row
     positions = torch.randint(0, 4000, (T,), device=device)
-    cache_shape = (num_blocks, Hkv, block_size)
-    caches = [torch.full(cache_shape + (D,), float("nan"), dtype=dtype, device=device),
-              torch.full(cache_shape + (D,), float("nan"), dtype=dtype, device=device),
-              torch.full(cache_shape, -7, dtype=torch.int32, device=device),
-              torch.full(cache_shape, float("nan"), dtype=torch.float32, device=device)]
+    caches = [torch.full((num_pages, block_size, D), float("nan"), dtype=dtype, device=device),
+              torch.full((num_pages, block_size, D), float("nan"), dtype=dtype, device=device),
+              torch.full((num_pages, block_size), -7, dtype=torch.int32, device=device),
+              torch.full((num_pages, block_size), float("nan"), dtype=torch.float32, device=device)]
+    flat = [c.clone() for c in caches]
+    written = slot_mapping >= 0
+    for cache, value in zip(flat, (k, v, positions[:, None].expand(T, Hkv), torch.zeros(T, Hkv))):
+        rows = value[written].view(int(written.sum()), -1)
+        cache.view(num_pages * block_size, -1)[slot_mapping[written]] = rows.to(cache.dtype)
     expected = [c.clone() for c in caches]
     store_kv_ref(k, v, *expected, slot_mapping, positions)
     store_kv_triton(k, v, *caches, slot_mapping, positions)
-    for actual, want in zip(caches, expected):
+    for actual, ref, want in zip(caches, expected, flat):
+        torch.testing.assert_close(ref, want, rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(actual, want, rtol=0, atol=0, equal_nan=True)
 
 

@@ -18,11 +18,11 @@ from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_
 @dataclass
 class Batch:
     q: torch.Tensor              # [T, Hq, D]
-    k_cache: torch.Tensor        # [num_blocks, Hkv, block_size, D]
-    score_cache: torch.Tensor    # [num_blocks, Hkv, block_size] fp32, random nonzero
-    block_tables: torch.Tensor   # [B, nb] or [B, Hkv, nb] int32, -1 past each sequence's blocks
+    k_cache: torch.Tensor        # [P, block_size, D]
+    score_cache: torch.Tensor    # [P, block_size] fp32, random nonzero
+    block_tables: torch.Tensor   # [B, Hkv, nb] int32, -1 past each head's pages
     cu_seqlens_q: torch.Tensor   # [B + 1] int32
-    context_lens: torch.Tensor   # [B] int32
+    context_lens: torch.Tensor   # [B, Hkv] int32, ragged across heads
     scale: float
 
     def to(self, device):
@@ -31,84 +31,95 @@ class Batch:
                      self.scale)
 
 
-def make_batch(seqs, num_kv_heads, group, head_dim, block_size, dtype, per_head_tables) -> Batch:
+def make_batch(seqs, num_kv_heads, group, head_dim, block_size, dtype) -> Batch:
     """Random inputs for sequences [(context_len, q_len), ...].
 
-    Blocks are scattered over a pool with spare blocks that no sequence owns;
-    per-head tables give every KV head its own scattering.
+    Head 0 of a sequence holds context_len slots; every other head a random number
+    between q_len and context_len (ragged heads, as after per-head eviction). Pages are
+    a random permutation of a pool with spare pages that no head owns.
     """
-    Hq = num_kv_heads * group
-    blocks_needed = [-(-context_len // block_size) for context_len, _ in seqs]
-    num_blocks = sum(blocks_needed) + 3
-    table_heads = num_kv_heads if per_head_tables else 1
-    tables = torch.full((len(seqs), table_heads, max(blocks_needed)), -1, dtype=torch.int32)
-    for h in range(table_heads):
-        pool = torch.randperm(num_blocks, dtype=torch.int32).tolist()
-        for b, n in enumerate(blocks_needed):
-            tables[b, h, :n] = torch.tensor([pool.pop() for _ in range(n)])
+    lens = torch.tensor([[c] + torch.randint(q, c + 1, (num_kv_heads - 1,)).tolist() for c, q in seqs],
+                        dtype=torch.int32)
+    pages_needed = (lens + block_size - 1) // block_size
+    num_pages = int(pages_needed.sum()) + 3
+    pool = torch.randperm(num_pages, dtype=torch.int32).tolist()
+    tables = torch.full((len(seqs), num_kv_heads, int(pages_needed.max())), -1, dtype=torch.int32)
+    for (b, h), n in zip(torch.cartesian_prod(torch.arange(len(seqs)), torch.arange(num_kv_heads)).tolist(),
+                         pages_needed.flatten().tolist()):
+        tables[b, h, :n] = torch.tensor([pool.pop() for _ in range(n)], dtype=torch.int32)
     q_lens = torch.tensor([q_len for _, q_len in seqs])
     return Batch(
         # Larger than unit logits, so the softmax is far from uniform.
-        q=(3 * torch.randn(int(q_lens.sum()), Hq, head_dim)).to(dtype),
-        k_cache=torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype),
-        score_cache=torch.rand(num_blocks, num_kv_heads, block_size) + 0.5,
-        block_tables=tables if per_head_tables else tables[:, 0],
+        q=(3 * torch.randn(int(q_lens.sum()), num_kv_heads * group, head_dim)).to(dtype),
+        k_cache=torch.randn(num_pages, block_size, head_dim).to(dtype),
+        score_cache=torch.rand(num_pages, block_size) + 0.5,
+        block_tables=tables,
         cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()]),
-        context_lens=torch.tensor([context_len for context_len, _ in seqs], dtype=torch.int32),
+        context_lens=lens,
         scale=head_dim ** -0.5,
     )
 
 
-def dense_logits(batch: Batch, b: int):
-    """Sequence b's scaled logits [Hkv, G, n, L] in float64 (-inf where the query
-    cannot see the key) and the slot addresses (blocks [Hkv, L], offsets [L]),
-    from the block table walked slot by slot."""
-    Hkv, block_size = batch.k_cache.shape[1:3]
+def dense_logits(batch: Batch, b: int, h: int):
+    """Sequence b's scaled logits in KV head h, [G, n, L] in float64 (-inf where the query
+    cannot see the key), and the slot addresses (pages [L], offsets [L]), from the block
+    table walked slot by slot."""
+    Hkv, block_size = batch.block_tables.shape[1], batch.k_cache.shape[1]
     start, end = int(batch.cu_seqlens_q[b]), int(batch.cu_seqlens_q[b + 1])
-    n, context_len = end - start, int(batch.context_lens[b])
-    table = batch.block_tables[b] if batch.block_tables.dim() == 3 else batch.block_tables[b].expand(Hkv, -1)
-    blocks = torch.tensor([[int(table[h, s // block_size]) for s in range(context_len)] for h in range(Hkv)])
+    n, context_len = end - start, int(batch.context_lens[b, h])
+    pages = torch.tensor([int(batch.block_tables[b, h, s // block_size]) for s in range(context_len)])
     offsets = torch.arange(context_len) % block_size
-    k = torch.stack([torch.stack([batch.k_cache[blocks[h, s], h, offsets[s]] for s in range(context_len)])
-                     for h in range(Hkv)]).double()                               # [Hkv, L, D]
-    q = batch.q[start:end].double().unflatten(1, (Hkv, -1))                       # [n, Hkv, G, D]
-    logits = torch.einsum("nhgd,hld->hgnl", q, k) * batch.scale
+    k = torch.stack([batch.k_cache[pages[s], offsets[s]] for s in range(context_len)]).double()   # [L, D]
+    q = batch.q[start:end].double().unflatten(1, (Hkv, -1))[:, h]                                  # [n, G, D]
+    logits = torch.einsum("ngd,ld->gnl", q, k) * batch.scale
     visible = torch.arange(context_len)[None, :] <= (context_len - n + torch.arange(n))[:, None]
-    return logits.masked_fill(~visible, float("-inf")), blocks, offsets
+    return logits.masked_fill(~visible, float("-inf")), pages, offsets
 
 
 def by_kv_head(lse: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """lse [n, Hq] -> [Hkv, G, n], the layout of dense_logits."""
+    """lse [n, Hq] -> [Hkv, G, n]: the lse of KV head h's queries is [h] (layout of dense_logits)."""
     return lse.T.unflatten(0, (num_kv_heads, -1))
 
 
-def dense_expectation(batch: Batch):
+def mixed_squares(batch: Batch) -> torch.Tensor:
+    """square_scores [B] with both kinds of sequence: every other one squares."""
+    return torch.arange(len(batch.context_lens)) % 2 == 1
+
+
+def dense_expectation(batch: Batch, score_from=None, square_scores=None):
     """The updated score cache (float64), which slots it touched, and the lse [T, Hq] (fp32)."""
     expected = batch.score_cache.double().clone()
     touched = torch.zeros_like(batch.score_cache, dtype=torch.bool)
-    lses = []
-    heads = torch.arange(batch.k_cache.shape[1])[:, None]
+    lse = torch.empty(batch.q.shape[:2])
+    Hkv = batch.block_tables.shape[1]
     for b in range(len(batch.context_lens)):
-        logits, blocks, offsets = dense_logits(batch, b)
-        expected[blocks, heads, offsets] += logits.softmax(dim=-1).sum(dim=(1, 2))
-        touched[blocks, heads, offsets] = True
-        lses.append(logits.logsumexp(dim=-1).flatten(0, 1).T)
-    return expected, touched, torch.cat(lses).float()
+        start, end = int(batch.cu_seqlens_q[b]), int(batch.cu_seqlens_q[b + 1])
+        for h in range(Hkv):
+            logits, pages, offsets = dense_logits(batch, b, h)
+            probs = logits.softmax(dim=-1)
+            if score_from is not None:
+                probs[:, :max(int(score_from[b]), 0)] = 0.0
+            if square_scores is not None and square_scores[b]:
+                probs = probs ** 2
+            expected[pages, offsets] += probs.sum(dim=(0, 1))
+            touched[pages, offsets] |= probs.sum(dim=(0, 1)) > 0
+            by_kv_head(lse[start:end], Hkv)[h] = logits.logsumexp(dim=-1).float()
+    return expected, touched, lse
 
 
 def assert_scores(batch: Batch, initial: torch.Tensor, expected: torch.Tensor, touched: torch.Tensor,
                   tol: float = 1e-5):
     result = batch.score_cache.cpu()
-    assert torch.equal(result[~touched], initial[~touched]), "a slot outside every context changed"
+    assert torch.equal(result[~touched], initial[~touched]), "a slot outside every counted context changed"
     torch.testing.assert_close(result.double(), expected, rtol=tol, atol=tol)
 
 
-# Context lengths 1 and block_size +- 1; decode rows (q_len 1) next to
-# prefill chunks with earlier context; chunks longer than one query tile.
+# Context lengths 1 and block_size +- 1 (in head 0; the other heads hold fewer slots);
+# decode rows (q_len 1) next to prefill chunks with earlier context; chunks longer than one query tile.
 CASES = {
     "bs16-d64-g1": dict(block_size=16, head_dim=64, group=1, num_kv_heads=2,
                         seqs=[(1, 1), (15, 1), (16, 16), (17, 5), (90, 70)]),
-    "bs32-d128-g3": dict(block_size=32, head_dim=128, group=3, num_kv_heads=2,
+    "bs32-d128-g3": dict(block_size=32, head_dim=128, group=3, num_kv_heads=3,
                          seqs=[(31, 1), (32, 32), (33, 9), (1, 1), (70, 25)]),
     "bs64-d64-g4": dict(block_size=64, head_dim=64, group=4, num_kv_heads=2,
                         seqs=[(63, 63), (64, 1), (65, 20), (1, 1), (130, 30)]),
@@ -117,88 +128,82 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("per_head_tables", [False, True], ids=["shared-table", "per-head-tables"])
 @pytest.mark.parametrize("case", CASES)
-def test_reference_matches_dense(case, per_head_tables):
-    batch = make_batch(**CASES[case], dtype=torch.float32, per_head_tables=per_head_tables)
-    expected, touched, lse = dense_expectation(batch)
+def test_reference_matches_dense(case):
+    batch = make_batch(**CASES[case], dtype=torch.float32)
+    square = mixed_squares(batch)
+    expected, touched, lse = dense_expectation(batch, square_scores=square)
     initial = batch.score_cache.clone()
     accumulate_key_scores_ref(batch.q, batch.k_cache, batch.score_cache, batch.block_tables,
-                              batch.cu_seqlens_q, batch.context_lens, lse, batch.scale)
+                              batch.cu_seqlens_q, batch.context_lens, lse, batch.scale, square_scores=square)
     assert_scores(batch, initial, expected, touched)
 
 
 def test_attention_lse_gives_probabilities_summing_to_one():
     """With the lse of paged_attention_ref, exp(logit - lse) is each query's
     softmax: it sums to 1 over the keys the query sees, so each (sequence,
-    KV head) gains exactly q_len * G in total."""
+    KV head) gains exactly q_len * G in total, whatever its context length."""
     case = CASES["bs16-d64-g1"] | dict(group=4)
-    batch = make_batch(**case, dtype=torch.float32, per_head_tables=False)
+    batch = make_batch(**case, dtype=torch.float32)
     v_cache = torch.randn_like(batch.k_cache)
-    padded_with_0 = batch.block_tables.clamp(min=0)   # as the engine pads: the reference gathers whole rows
+    padded_with_0 = batch.block_tables.clamp(min=0)   # as the engine pads: the reference gathers whole pages
     _, lse = paged_attention_ref(batch.q, batch.k_cache, v_cache, padded_with_0, batch.cu_seqlens_q,
                                  batch.context_lens, batch.scale, return_lse=True)
-    Hkv = batch.k_cache.shape[1]
+    Hkv = batch.block_tables.shape[1]
     initial = batch.score_cache.clone()
     accumulate_key_scores_ref(batch.q, batch.k_cache, batch.score_cache, batch.block_tables,
                               batch.cu_seqlens_q, batch.context_lens, lse, batch.scale)
     gained = (batch.score_cache - initial).double()
-    heads = torch.arange(Hkv)[:, None]
     for b in range(len(batch.context_lens)):
-        logits, blocks, offsets = dense_logits(batch, b)
         start, end = int(batch.cu_seqlens_q[b]), int(batch.cu_seqlens_q[b + 1])
-        probs = torch.exp(logits - by_kv_head(lse[start:end].double(), Hkv)[..., None])
-        torch.testing.assert_close(probs.sum(dim=-1), torch.ones(probs.shape[:-1], dtype=torch.float64),
-                                   rtol=0, atol=1e-5)
-        q_len_times_g = torch.full((Hkv,), float(probs.shape[1] * probs.shape[2]), dtype=torch.float64)
-        torch.testing.assert_close(gained[blocks, heads, offsets].sum(dim=-1), q_len_times_g, rtol=1e-5, atol=0)
+        for h in range(Hkv):
+            logits, pages, offsets = dense_logits(batch, b, h)
+            probs = torch.exp(logits - by_kv_head(lse[start:end].double(), Hkv)[h][..., None])
+            torch.testing.assert_close(probs.sum(dim=-1), torch.ones(probs.shape[:-1], dtype=torch.float64),
+                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(gained[pages, offsets].sum(), torch.tensor(float(probs[..., 0].numel()),
+                                       dtype=torch.float64), rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("per_head_tables", [False, True], ids=["shared-table", "per-head-tables"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("case", CASES)
-def test_triton_matches_dense(case, dtype, per_head_tables):
-    """Under the interpreter bf16 runs through the fp32-dot path; on a GPU, through bf16 dots."""
-    batch = make_batch(**CASES[case], dtype=dtype, per_head_tables=per_head_tables)
-    expected, touched, lse = dense_expectation(batch)
+def test_triton_matches_dense(case, dtype):
+    """Ragged heads, squared and plain sequences in one batch. Under the interpreter bf16 runs
+    through the fp32-dot path; on a GPU, through bf16 dots."""
+    batch = make_batch(**CASES[case], dtype=dtype)
+    square = mixed_squares(batch)
+    expected, touched, lse = dense_expectation(batch, square_scores=square)
     initial = batch.score_cache.clone()
     seqs = CASES[case]["seqs"]
     batch = batch.to(KERNEL_DEVICE)
     accumulate_key_scores_triton(batch.q, batch.k_cache, batch.score_cache, batch.block_tables,
                                  batch.cu_seqlens_q, batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale,
-                                 max_query_len=max(q for _, q in seqs), max_context_len=max(c for c, _ in seqs))
+                                 max_query_len=max(q for _, q in seqs), max_context_len=max(c for c, _ in seqs),
+                                 square_scores=square.to(KERNEL_DEVICE))
     assert_scores(batch, initial, expected, touched, tol=1e-4 if KERNEL_DEVICE == "cuda" else 1e-5)
 
 
 @pytest.mark.parametrize("kernel", ["ref", "triton"])
 def test_only_queries_from_score_from_count(kernel):
     """score_from[b]: sequence b's queries before that index of its chunk add nothing
-    (windowed rankings); an index past the chunk, or a negative one, is fine."""
-    case = CASES["bs32-d128-g3"]
-    batch = make_batch(**case, dtype=torch.float32, per_head_tables=True)
-    _, _, lse = dense_expectation(batch)
+    (windowed rankings); an index past the chunk, or a negative one, is fine. Squared
+    sequences (the odd ones) count the same queries."""
+    batch = make_batch(**CASES["bs32-d128-g3"], dtype=torch.float32)
     score_from = torch.tensor([0, 20, 4, 3, -2], dtype=torch.int32)
-    expected = batch.score_cache.double().clone()
-    heads = torch.arange(batch.k_cache.shape[1])[:, None]
-    for b, first in enumerate(score_from.tolist()):
-        logits, blocks, offsets = dense_logits(batch, b)
-        probs = logits.softmax(dim=-1)
-        probs[:, :, :max(first, 0)] = 0.0
-        expected[blocks, heads, offsets] += probs.sum(dim=(1, 2))
+    square = mixed_squares(batch)
+    expected, touched, lse = dense_expectation(batch, score_from, square)
     initial = batch.score_cache.clone()
     accumulate = accumulate_key_scores_ref if kernel == "ref" else accumulate_key_scores_triton
     batch = batch.to(KERNEL_DEVICE)
     accumulate(batch.q, batch.k_cache, batch.score_cache, batch.block_tables, batch.cu_seqlens_q,
-               batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale, score_from.to(KERNEL_DEVICE))
-    result = batch.score_cache.cpu().double()
-    touched = expected != initial.double()
-    torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(result[~touched], initial[~touched].double()), "slots no counted query sees must not change"
+               batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale, score_from.to(KERNEL_DEVICE),
+               square_scores=square.to(KERNEL_DEVICE))
+    assert_scores(batch, initial, expected, touched)
 
 
 def test_triton_launch_hints_are_optional_upper_bounds():
     """Without hints the kernel reads them from the tensors; loose ones only add idle programs."""
-    batch = make_batch(**CASES["bs32-d128-g3"], dtype=torch.float32, per_head_tables=True)
+    batch = make_batch(**CASES["bs32-d128-g3"], dtype=torch.float32)
     expected, touched, lse = dense_expectation(batch)
     initial = batch.score_cache.clone()
     args = (batch.q, batch.k_cache, batch.score_cache, batch.block_tables, batch.cu_seqlens_q,
@@ -214,11 +219,13 @@ def test_triton_launch_hints_are_optional_upper_bounds():
 @pytest.mark.parametrize("case", CASES)
 def test_triton_matches_dense_cuda(case, dtype):
     """Compiled for a real GPU: bf16 tensor-core dots, fp32 dots kept out of TF32."""
-    batch = make_batch(**CASES[case], dtype=dtype, per_head_tables=True)
-    expected, touched, lse = dense_expectation(batch)
+    batch = make_batch(**CASES[case], dtype=dtype)
+    square = mixed_squares(batch)
+    expected, touched, lse = dense_expectation(batch, square_scores=square)
     initial = batch.score_cache.clone()
     cuda = batch.to("cuda")
     accumulate_key_scores_triton(cuda.q, cuda.k_cache, cuda.score_cache, cuda.block_tables,
-                                 cuda.cu_seqlens_q, cuda.context_lens, lse.cuda(), cuda.scale)
+                                 cuda.cu_seqlens_q, cuda.context_lens, lse.cuda(), cuda.scale,
+                                 square_scores=square.cuda())
     torch.cuda.synchronize()
     assert_scores(cuda, initial, expected, touched, tol=1e-4)
