@@ -78,12 +78,18 @@ def decode_workspace_for(max_num_seqs: int, num_heads: int, num_kv_heads: int, h
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *,
                     max_query_len: int, max_context_len: int, num_decodes: int = 0,
                     score_cache=None, score_from=None, logits=None, workspace=None, cpu_plan=None,
-                    kv_scales=None):
-    """Attention of q [T, Hq, D] over the paged cache (semantics: kernels/attention.py).
+                    kv_scales=None, square_scores=None):
+    """Attention of q [T, Hq, D] over one layer of the paged cache (semantics: kernels/attention.py).
+
+    The cache is the pool of pages of every layer (layout: kernels/kv_store.py): k_cache,
+    v_cache [P, bs, D], score_cache [P, bs], kv_scales [P, bs, 2]; the layer's
+    block_tables [B, Hkv, nb] pick its pages, and context_lens [B, Hkv] says how many
+    slots each (sequence, KV head) holds, this step's tokens last.
 
     With score_cache, also add to it, for every key, the softmax probability each query
-    gave it, summed over the query heads of its group: the eviction scores. score_from [B]
-    int32, if given: only sequence b's queries from index score_from[b] of its chunk count.
+    gave it (its square for sequence b if square_scores [B] bool says so), summed over the
+    query heads of its group: the eviction scores. score_from [B] int32, if given: only
+    sequence b's queries from index score_from[b] of its chunk count.
     max_query_len and max_context_len are host-side upper bounds, so that no kernel
     needs a device sync to size its grid. The first num_decodes sequences have one
     query each (the runner orders them first): they go to flash-decoding, the rest
@@ -95,7 +101,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     if BACKEND == "cpu":
         return paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
                                    score_cache=score_cache, score_from=score_from, plan=cpu_plan,
-                                   kv_scales=kv_scales)
+                                   kv_scales=kv_scales, square_scores=square_scores)
     want_lse = score_cache is not None
     if not TRITON:
         result = paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
@@ -103,17 +109,19 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
         if want_lse:
             out, lse = result
             accumulate_key_scores_ref(q, k_cache, score_cache, block_tables, cu_seqlens_q, context_lens,
-                                      lse, scale, score_from, kv_scales)
+                                      lse, scale, score_from, kv_scales, square_scores)
             return out
         return result
     out = torch.empty_like(q)
     if num_decodes:
-        splits = decode_num_splits(num_decodes, k_cache.shape[1], max_context_len)
-        paged_decode_attention_triton(q[:num_decodes], k_cache, v_cache, block_tables[:num_decodes],
-                                      context_lens[:num_decodes], scale, splits, score_cache=score_cache,
-                                      logits=logits, workspace=workspace, out=out[:num_decodes],
-                                      score_from=None if score_from is None else score_from[:num_decodes],
-                                      kv_scales=kv_scales)
+        splits = decode_num_splits(num_decodes, block_tables.shape[1], max_context_len)
+        decodes = slice(None, num_decodes)
+        paged_decode_attention_triton(q[decodes], k_cache, v_cache, block_tables[decodes],
+                                      context_lens[decodes], scale, splits, score_cache=score_cache,
+                                      logits=logits, workspace=workspace, out=out[decodes],
+                                      score_from=None if score_from is None else score_from[decodes],
+                                      kv_scales=kv_scales,
+                                      square_scores=None if square_scores is None else square_scores[decodes])
     if num_decodes == len(context_lens):
         return out
     # The chunks: their rows of q, out and lse are addressed through cu_seqlens_q.
@@ -125,7 +133,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
         accumulate_key_scores_triton(q, k_cache, score_cache, tables, cu_seqlens, lens, result[1], scale,
                                      None if score_from is None else score_from[chunks],
                                      max_query_len=max_query_len, max_context_len=max_context_len,
-                                     kv_scales=kv_scales)
+                                     kv_scales=kv_scales,
+                                     square_scores=None if square_scores is None else square_scores[chunks])
     return out
 
 

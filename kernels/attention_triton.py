@@ -5,7 +5,7 @@ batches, and the building blocks it shares with flash-decoding
 Both kernels read K and V straight from the paged cache (layout in kernels/kv_store.py)
 through the block tables, and both follow the semantics of the torch oracle,
 kernels/attention.py: sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
-and query j of it sees slots 0 .. context_len - q_len + j.
+and query j of it sees slots 0 .. context_lens[b, h] - q_len + j of KV head h.
 
 Ideas shared by the kernels:
 
@@ -17,20 +17,20 @@ Ideas shared by the kernels:
   multiplied by log2(e) once), so every exponential is a bare exp2, the
   instruction the hardware has. Log-sum-exps are converted back to natural
   logs only when they are written out.
-* Per-slot block lookup. A key tile is BLOCK_N consecutive slots of one
-  sequence; each slot finds its cache block through the block table. The tile
-  size is therefore independent of the cache block size (any multiple of 16),
-  and a tile may straddle blocks.
+* Per-slot page lookup. A key tile is BLOCK_N consecutive slots of one
+  (sequence, KV head); each slot finds its page through that head's row of the
+  block tables. The tile size is therefore independent of the block size (any
+  multiple of 16), and a tile may straddle pages.
 * GQA packing. The G = Hq / Hkv query heads that share a KV head are computed
   by one program, as rows of the same tile, so each K/V tile loaded serves all
   of them. In the prefill kernel row r of a tile is query token r // G, query
   head r % G (vLLM's unified attention does the same); rows that fall past the
   tile or the sequence are padding and are masked out, so G need not be a power
   of 2 (the bundled model has G = 3).
-* Per-head block tables. The kernels take a block-table stride per KV head:
-  0 for a table [B, max_blocks] shared by all heads, the real stride for
-  tables [B, Hkv, max_blocks] (after per-head eviction a slot of head 0 and the
-  same slot of head 1 can live in different blocks).
+* Pages. A page holds the slots of one KV head, so every program, which serves
+  one KV head, reads its own row of the block tables [B, Hkv, nb] and its own
+  context length context_lens[b, h]; heads of a sequence may hold different
+  numbers of slots (per-head eviction), and no head offset enters an address.
 * Precision. Accumulation is always fp32. On a GPU, 16-bit operands go to the
   tensor cores as they are; fp32 operands use "ieee" precision (TF32 would
   be off by ~3e-4). Triton's interpreter multiplies bf16 operands wrongly, so
@@ -83,26 +83,22 @@ def _dot_config(dtype: torch.dtype) -> tuple[bool, str]:
     return upcast, "ieee" if exact else "tf32"
 
 
-def _block_table_strides(block_tables: torch.Tensor, num_kv_heads: int) -> tuple[int, int]:
-    """(stride per sequence, stride per KV head) of a [B, nb] or [B, Hkv, nb] table."""
-    if block_tables.dim() == 2:
-        return block_tables.stride(0), 0
-    assert block_tables.dim() == 3 and block_tables.shape[1] == num_kv_heads, block_tables.shape
-    return block_tables.stride(0), block_tables.stride(1)
-
-
-def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 kv_scales: torch.Tensor | None) -> torch.Tensor:
-    """Check the cache against q; returns the scales the kernels read (a stand-in when unquantized)."""
-    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """Check the cache and the tables against q; returns the scales the kernels read (a stand-in
+    when unquantized). The kernels find context_lens[b, h] at b * stride(0) + h."""
+    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype and k_cache.dim() == 3
     assert k_cache.dtype == q.dtype or k_cache.dtype in QUANT_MAX, (k_cache.dtype, q.dtype)
     assert (kv_scales is not None) == (k_cache.dtype in QUANT_MAX), "a quantized cache, and only one, has scales"
-    assert q.shape[-2] % k_cache.shape[1] == 0, "query heads must be a multiple of KV heads"
+    assert block_tables.dim() == 3 and context_lens.shape == block_tables.shape[:2], \
+        f"tables {tuple(block_tables.shape)} must be [B, Hkv, nb], context_lens {tuple(context_lens.shape)} [B, Hkv]"
+    assert context_lens.stride(1) == 1 and block_tables.stride(2) == 1, "context_lens, tables: last dim contiguous"
+    assert q.shape[-2] % block_tables.shape[1] == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1, "head_dim must be contiguous"
-    assert k_cache.shape[2] % 16 == 0, "cache block size must be a multiple of 16"
+    assert k_cache.shape[1] % 16 == 0, "cache block size must be a multiple of 16"
     if kv_scales is None:
         return k_cache   # a stand-in the kernels never read (QUANTIZED off)
-    assert kv_scales.shape == (*k_cache.shape[:3], 2) and kv_scales.stride(3) == 1, kv_scales.shape
+    assert kv_scales.shape == (*k_cache.shape[:2], 2) and kv_scales.stride(2) == 1, kv_scales.shape
     return kv_scales
 
 
@@ -111,25 +107,25 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 # ----------------------------------------------------------------------------
 
 @triton.jit
-def _block_numbers(table_ptr, slots, valid, BLOCK_SIZE: tl.constexpr):
-    """The cache block (int64) of each of the given slots of one sequence and KV head.
+def _pages(table_ptr, slots, valid, BLOCK_SIZE: tl.constexpr):
+    """The page (int64) of each of the given slots of one (sequence, KV head).
 
-    table_ptr points at that sequence's (and head's) row of the block table.
-    Slots outside `valid` look nothing up and get block 0 (their loads are
+    table_ptr points at that sequence's and head's row of the block tables.
+    Slots outside `valid` look nothing up and get page 0 (their loads are
     masked anyway), so a padding row of zeros or a short table is never read
-    past its end. int64: block * stride can pass 2**31 elements in a large cache.
+    past its end. int64: page * stride can pass 2**31 elements in a large cache.
     """
     return tl.load(table_ptr + slots // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
 
 
 @triton.jit
-def _load_kv_tile(k_ptr, v_ptr, blocks, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE: tl.constexpr,
-                  stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, dtype: tl.constexpr):
-    """The K and V rows [BLOCK_N, HEAD_DIM_PAD] of the given slots of one KV head, which
-    live in `blocks` (zeros where a slot or a dimension is not valid), converted to `dtype`
-    (q's: this upcasts under the interpreter and turns 8-bit values into 16-bit ones).
+def _load_kv_tile(k_ptr, v_ptr, pages, slots, slot_valid, dims, dim_valid, BLOCK_SIZE: tl.constexpr,
+                  stride_kp, stride_ks, stride_vp, stride_vs, dtype: tl.constexpr):
+    """The K and V rows [BLOCK_N, HEAD_DIM_PAD] of the given slots, which live in `pages`
+    (zeros where a slot or a dimension is not valid), converted to `dtype` (q's: this
+    upcasts under the interpreter and turns 8-bit values into 16-bit ones).
 
-    The loops that call this look up the *next* tile's blocks while the current
+    The loops that call this look up the *next* tile's pages while the current
     tile is being processed (software prefetch of the table): a K/V address that
     depends on a table load of the same iteration keeps Triton's pipeliner from
     double-buffering K and V below num_stages 5; one that comes from the
@@ -137,20 +133,18 @@ def _load_kv_tile(k_ptr, v_ptr, blocks, slots, slot_valid, kv_head, dims, dim_va
     """
     offset = slots % BLOCK_SIZE
     kv_mask = slot_valid[:, None] & dim_valid[None, :]
-    k_rows = blocks * stride_kb + kv_head * stride_kh + offset * stride_ks
-    v_rows = blocks * stride_vb + kv_head * stride_vh + offset * stride_vs
-    k = tl.load(k_ptr + k_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + v_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    k = tl.load(k_ptr + (pages * stride_kp + offset * stride_ks)[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + (pages * stride_vp + offset * stride_vs)[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     return from_cache(k, dtype), from_cache(v, dtype)
 
 
 @triton.jit
-def _load_kv_scales(scales_ptr, blocks, slots, slot_valid, kv_head, BLOCK_SIZE: tl.constexpr,
-                    stride_b, stride_h, stride_s, QUANTIZED: tl.constexpr):
+def _load_kv_scales(scales_ptr, pages, slots, slot_valid, BLOCK_SIZE: tl.constexpr,
+                    stride_p, stride_s, QUANTIZED: tl.constexpr):
     """The K and V scales [BLOCK_N] of the given slots (kernels/kv_store.py); constant ones
     for an unquantized cache, so that multiplying by them costs nothing."""
     if QUANTIZED:
-        at = scales_ptr + blocks * stride_b + kv_head * stride_h + (slots % BLOCK_SIZE) * stride_s
+        at = scales_ptr + pages * stride_p + (slots % BLOCK_SIZE) * stride_s
         return tl.load(at, mask=slot_valid, other=0.0), tl.load(at + 1, mask=slot_valid, other=0.0)
     ones = tl.full(slots.shape, 1.0, tl.float32)
     return ones, ones
@@ -181,8 +175,8 @@ def _online_softmax_step(acc, m, l, s, v, v_scale, DOT_PRECISION: tl.constexpr):
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, scales_ptr, out_ptr, lse_ptr, table_ptr, cu_seqlens_q_ptr, context_lens_ptr,
         qk_scale,                                     # softmax scale * log2(e)
-        stride_qt, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        stride_qsb, stride_qsh, stride_qss, stride_ot, stride_oh, stride_lt, stride_table_b, stride_table_h,
+        stride_qt, stride_qh, stride_kp, stride_ks, stride_vp, stride_vs, stride_qsp, stride_qss,
+        stride_ot, stride_oh, stride_lt, stride_table_b, stride_table_h, stride_cl,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, RETURN_LSE: tl.constexpr, QUANTIZED: tl.constexpr):
@@ -196,8 +190,8 @@ def _paged_attention_kernel(
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return
-    context_len = tl.load(context_lens_ptr + seq)
-    prior = context_len - q_len                       # slots cached before this chunk
+    context_len = tl.load(context_lens_ptr + seq * stride_cl + kv_head)
+    prior = context_len - q_len                       # this head's slots cached before this chunk
 
     rows = tl.arange(0, BLOCK_M)
     token = q_tile * BLOCK_Q + rows // G              # index of the query within the chunk
@@ -221,15 +215,15 @@ def _paged_attention_kernel(
     kv_end = prior + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
     table = table_ptr + seq * stride_table_b + kv_head * stride_table_h
     slots = tl.arange(0, BLOCK_N)
-    blocks = _block_numbers(table, slots, slots < kv_end, BLOCK_SIZE)
+    pages = _pages(table, slots, slots < kv_end, BLOCK_SIZE)
     for n in range(0, kv_end, BLOCK_N):
         slots = n + tl.arange(0, BLOCK_N)
         slot_valid = slots < kv_end
-        k, v = _load_kv_tile(k_ptr, v_ptr, blocks, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE,
-                             stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, q.dtype)
-        k_scale, v_scale = _load_kv_scales(scales_ptr, blocks, slots, slot_valid, kv_head, BLOCK_SIZE,
-                                           stride_qsb, stride_qsh, stride_qss, QUANTIZED)
-        blocks = _block_numbers(table, slots + BLOCK_N, slots + BLOCK_N < kv_end, BLOCK_SIZE)   # prefetch
+        k, v = _load_kv_tile(k_ptr, v_ptr, pages, slots, slot_valid, dims, dim_valid, BLOCK_SIZE,
+                             stride_kp, stride_ks, stride_vp, stride_vs, q.dtype)
+        k_scale, v_scale = _load_kv_scales(scales_ptr, pages, slots, slot_valid, BLOCK_SIZE,
+                                           stride_qsp, stride_qss, QUANTIZED)
+        pages = _pages(table, slots + BLOCK_N, slots + BLOCK_N < kv_end, BLOCK_SIZE)   # prefetch
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (qk_scale * k_scale)[None, :]
         visible = slots[None, :] <= (prior + token)[:, None]    # causal by slot; implies slot < kv_end
         s = tl.where(visible, s, float("-inf"))
@@ -270,7 +264,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     dtype, and with return_lse also lse [T, Hq] fp32 (natural log of each
     query's softmax denominator).
 
-    block_tables: [B, max_blocks] shared by all KV heads, or [B, Hkv, max_blocks].
+    block_tables [B, Hkv, nb], context_lens [B, Hkv] (kernels/kv_store.py).
     max_query_len: the longest chunk in the batch; the caller knows it, and
     passing it avoids reading it back from the device (a sync).
     out: where to write, else a new tensor. Only the rows of the B sequences are
@@ -278,9 +272,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (cu_seqlens_q and the tables sliced, q and out whole) and the others to
     flash-decoding. kv_scales: the scales of a quantized cache (kernels/kv_store.py).
     """
-    scales = _check_cache(q, k_cache, v_cache, kv_scales)
+    scales = _check_cache(q, k_cache, v_cache, kv_scales, block_tables, context_lens)
     T, Hq, D = q.shape
-    Hkv, block_size = k_cache.shape[1], k_cache.shape[2]
+    Hkv, block_size = block_tables.shape[1], k_cache.shape[1]
     G = Hq // Hkv
     B = cu_seqlens_q.shape[0] - 1
     out = torch.empty_like(q) if out is None else out
@@ -293,9 +287,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         upcast, precision = _dot_config(q.dtype)
         grid = (B, triton.cdiv(max_query_len, block_q), Hkv)
         _paged_attention_kernel[grid](
-            q, kernel_view(k_cache), kernel_view(v_cache), scales, out, lse, block_tables, cu_seqlens_q, context_lens, scale * LOG2E,
-            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *scales.stride()[:3],
-            out.stride(0), out.stride(1), lse.stride(0), *_block_table_strides(block_tables, Hkv),
+            q, kernel_view(k_cache), kernel_view(v_cache), scales, out, lse, block_tables, cu_seqlens_q, context_lens,
+            scale * LOG2E,
+            q.stride(0), q.stride(1), *k_cache.stride()[:2], *v_cache.stride()[:2], *scales.stride()[:2],
+            out.stride(0), out.stride(1), lse.stride(0), *block_tables.stride()[:2], context_lens.stride(0),
             HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
             G=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
             UPCAST=upcast, DOT_PRECISION=precision, RETURN_LSE=return_lse, QUANTIZED=kv_scales is not None,

@@ -44,29 +44,27 @@ def matmul_flops() -> float:
 
 
 def paged_kv(batch: int, ctx: int, hkv: int, d: int, block: int, dtype):
-    """A random paged cache holding `batch` contexts of `ctx` slots, in shuffled blocks."""
-    per_seq = -(-ctx // block)
-    num_blocks = batch * per_seq
-    k = torch.randn(num_blocks, hkv, block, d, device="cuda", dtype=dtype)
+    """A random paged cache (kernels/kv_store.py) holding `batch` contexts of `ctx` slots in
+    every KV head, in shuffled pages: K, V [P, bs, D], tables [B, Hkv, nb], context_lens [B, Hkv]."""
+    per_head = -(-ctx // block)
+    num_pages = batch * hkv * per_head
+    k = torch.randn(num_pages, block, d, device="cuda", dtype=dtype)
     v = torch.randn_like(k)
-    tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, per_seq)
-    return k, v, tables
+    tables = torch.randperm(num_pages, device="cuda").to(torch.int32).view(batch, hkv, per_head)
+    return k, v, tables, torch.full((batch, hkv), ctx, device="cuda", dtype=torch.int32)
 
 
 def contiguous_kv(k_cache, tables, ctx):
     """The same K (or V) gathered into [B, Hkv, ctx, D] for SDPA."""
-    pages = k_cache[tables.long()]   # [B, nb, H, bs, D]
-    B, nb, H, bs, D = pages.shape
-    return pages.permute(0, 2, 1, 3, 4).reshape(B, H, nb * bs, D)[:, :, :ctx].contiguous()
+    return k_cache[tables.long()].flatten(2, 3)[:, :, :ctx].contiguous()   # [B, Hkv, nb, bs, D] -> ...
 
 
 def decode_times(batch: int, ctx: int, int8: bool = False) -> tuple[float, float]:
     """(nanokv, SDPA flash) milliseconds of one decode attention, Hq=32, Hkv=8, D=128, block 16,
     bf16 queries; int8: over the cache quantized to int8 (SDPA still reads the bf16 values)."""
     hq, hkv, d, block = 32, 8, 128, 16
-    k, v, tables = paged_kv(batch, ctx, hkv, d, block, torch.bfloat16)
+    k, v, tables, lens = paged_kv(batch, ctx, hkv, d, block, torch.bfloat16)
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-    lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     splits = decode_num_splits(batch, hkv, ctx)
     work = decode_workspace(batch * hq * splits, d, "cuda")
     cache, scales = (k, v), None
@@ -101,10 +99,9 @@ def bench_prefill() -> list[str]:
     hq, hkv, d, block, dtype = 32, 8, 128, 16, torch.bfloat16
     rows = ["| case | nanokv TFLOP/s | SDPA flash TFLOP/s | nanokv / SDPA |", "| --- | --- | --- | --- |"]
     for name, q_len, ctx in (("64-token chunk over 4k context", 64, 4096), ("full 4k prefill", 4096, 4096)):
-        k, v, tables = paged_kv(1, ctx, hkv, d, block, dtype)
+        k, v, tables, lens = paged_kv(1, ctx, hkv, d, block, dtype)
         q = torch.randn(q_len, hq, d, device="cuda", dtype=dtype)
         cu = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
-        lens = torch.tensor([ctx], device="cuda", dtype=torch.int32)
         t = ms(lambda: paged_attention_triton(q, k, v, tables, cu, lens, d ** -0.5, max_query_len=q_len))
         kc, vc = contiguous_kv(k, tables, ctx), contiguous_kv(v, tables, ctx)
         qs = q.transpose(0, 1)[None]   # [1, Hq, q_len, D]

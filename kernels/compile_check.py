@@ -158,8 +158,9 @@ def _qkv(tokens: int, hq: int, hkv: int, d: int, dtype) -> tuple[torch.Tensor, t
 
 
 def _attention_case(kind: str, shape: str, dtype: str, block_size: int, query_len: int = 1,
-                    scores: bool = False, cache: str | None = None) -> Callable[[], None]:
-    """cache: "int8" or "fp8" for a quantized cache, None for one in the model's dtype."""
+                    scores: bool = False, cache: str | None = None, square: bool = False) -> Callable[[], None]:
+    """On the page layout (kernels/kv_store.py). cache: "int8" or "fp8" for a quantized cache,
+    None for one in the model's dtype; square: pass square_scores (the key scores' SQUARE variant)."""
     from kernels import decode_num_splits
     from kernels.attention_triton import paged_attention_triton
     from kernels.decode_attention import paged_decode_attention_triton
@@ -168,17 +169,19 @@ def _attention_case(kind: str, shape: str, dtype: str, block_size: int, query_le
     def run():
         hq, hkv, d = SHAPES[shape][:3]
         dt = DTYPES[dtype]
-        num_blocks, width = 8, 4
-        k_cache = torch.zeros(num_blocks, hkv, block_size, d, dtype=QUANTIZED[cache] if cache else dt)
+        num_pages, width = 8, 4
+        k_cache = torch.zeros(num_pages, block_size, d, dtype=QUANTIZED[cache] if cache else dt)
         v_cache = torch.zeros_like(k_cache)
-        score_cache = torch.zeros(num_blocks, hkv, block_size)
-        kv_scales = torch.zeros(num_blocks, hkv, block_size, 2) if cache else None
-        tables = torch.zeros(2, width, dtype=torch.int32)
-        lens = torch.ones(2, dtype=torch.int32)
+        score_cache = torch.zeros(num_pages, block_size)
+        kv_scales = torch.zeros(num_pages, block_size, 2) if cache else None
+        tables = torch.zeros(2, hkv, width, dtype=torch.int32)
+        lens = torch.ones(2, hkv, dtype=torch.int32)
+        squares = torch.zeros(2, dtype=torch.bool) if square else None
         if kind == "decode":
             q = _qkv(2, hq, hkv, d, dt)[0]
             paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.1, decode_num_splits(2, hkv, 4096),
-                                          score_cache=score_cache if scores else None, kv_scales=kv_scales)
+                                          score_cache=score_cache if scores else None, kv_scales=kv_scales,
+                                          square_scores=squares)
             return
         q = _qkv(2 * query_len, hq, hkv, d, dt)[0]
         cu_seqlens = torch.tensor([0, query_len, 2 * query_len], dtype=torch.int32)
@@ -186,7 +189,8 @@ def _attention_case(kind: str, shape: str, dtype: str, block_size: int, query_le
                                           max_query_len=query_len, kv_scales=kv_scales)
         if kind == "key_scores":
             accumulate_key_scores_triton(q, k_cache, score_cache, tables, cu_seqlens, lens, lse, 0.1,
-                                         max_query_len=query_len, max_context_len=4096, kv_scales=kv_scales)
+                                         max_query_len=query_len, max_context_len=4096, kv_scales=kv_scales,
+                                         square_scores=squares)
     return run
 
 
@@ -196,11 +200,11 @@ def _store_case(shape: str, dtype: str, cache: str) -> Callable[[], None]:
 
     def run():
         hq, hkv, d = SHAPES[shape][:3]
-        k_cache = torch.zeros(8, hkv, 16, d, dtype=QUANTIZED[cache])
+        k_cache = torch.zeros(8, 16, d, dtype=QUANTIZED[cache])
         _, k, v = _qkv(4, hq, hkv, d, DTYPES[dtype])
-        store_kv_triton(k, v, k_cache, torch.zeros_like(k_cache), torch.zeros(8, hkv, 16, dtype=torch.int32),
-                        torch.zeros(8, hkv, 16), torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long),
-                        kv_scales=torch.zeros(8, hkv, 16, 2))
+        store_kv_triton(k, v, k_cache, torch.zeros_like(k_cache), torch.zeros(8, 16, dtype=torch.int32),
+                        torch.zeros(8, 16), torch.zeros(4, hkv, dtype=torch.long), torch.zeros(4, dtype=torch.long),
+                        kv_scales=torch.zeros(8, 16, 2))
     return run
 
 
@@ -220,9 +224,9 @@ def _elementwise_case(shape: str, dtype: str) -> Callable[[], None]:
         rms_norm_triton(q, torch.ones(d, dtype=dt), 1e-5)   # Qwen3's per-head q/k norm
         apply_rope_triton(q, k, torch.zeros(tokens, dtype=torch.long), torch.zeros(64, d))
         silu_and_mul_triton(torch.zeros(tokens, 2 * inter, dtype=dt))
-        k_cache = torch.zeros(8, hkv, 16, d, dtype=dt)
-        store_kv_triton(k, v, k_cache, torch.zeros_like(k_cache), torch.zeros(8, hkv, 16, dtype=torch.int32),
-                        torch.zeros(8, hkv, 16), torch.zeros(tokens, dtype=torch.long),
+        k_cache = torch.zeros(8, 16, d, dtype=dt)
+        store_kv_triton(k, v, k_cache, torch.zeros_like(k_cache), torch.zeros(8, 16, dtype=torch.int32),
+                        torch.zeros(8, 16), torch.zeros(tokens, hkv, dtype=torch.long),
                         torch.zeros(tokens, dtype=torch.long))
     return run
 
@@ -231,7 +235,7 @@ def default_cases() -> dict[str, Callable[[], None]]:
     """A representative subset (the full product of dtypes, head_dims, block sizes and
     groups compiles too, in ~30 minutes): each dtype, head_dim 64 and 128, block 16
     and 256, GQA groups 1, 3, 4 and 8, decode with and without scores, prefill with
-    long and short query tiles, key scores, every elementwise kernel."""
+    long and short query tiles, key scores, plain and squared, every elementwise kernel."""
     cases = {}
     for shape, dtype, block_size in (("llama-3.1-8b", "bf16", 16), ("smollm2-135m", "bf16", 16),
                                      ("gqa8-128", "fp16", 256), ("mha-128", "bf16", 16),
@@ -244,6 +248,13 @@ def default_cases() -> dict[str, Callable[[], None]]:
         cases[f"key scores 512, {tag}"] = _attention_case("key_scores", shape, dtype, block_size, query_len=512)
     cases["prefill 2 (short tile), llama-3.1-8b bf16 block 16"] = _attention_case(
         "prefill", "llama-3.1-8b", "bf16", 16, query_len=2)
+    # Squared scores (KV-Compress): the SQUARE variants of the score kernels.
+    for shape, dtype in (("llama-3.1-8b", "bf16"), ("smollm2-135m", "fp32")):
+        tag = f"{shape} {dtype} block 16"
+        cases[f"decode + squared scores, {tag}"] = _attention_case("decode", shape, dtype, 16, scores=True,
+                                                                   square=True)
+        cases[f"key scores 512 squared, {tag}"] = _attention_case("key_scores", shape, dtype, 16, query_len=512,
+                                                                  square=True)
     for shape, dtype in (("llama-3.1-8b", "bf16"), ("smollm2-135m", "bf16"), ("qwen3-0.6b", "fp16"),
                          ("smollm2-135m", "fp32")):
         cases[f"elementwise, {shape} {dtype}"] = _elementwise_case(shape, dtype)

@@ -1,8 +1,8 @@
-"""Flash-decoding over the paged cache: one query per sequence, the context
-cut into splits processed in parallel and merged by their log-sum-exps.
+"""Flash-decoding over the paged cache: one query per sequence, each KV head's
+context cut into splits processed in parallel and merged by their log-sum-exps.
 
-The building blocks (per-slot block lookup, GQA packing, base-2 online
-softmax, per-head block tables, quantized caches) are those of
+The building blocks (per-slot page lookup, GQA packing, base-2 online
+softmax, pages of one KV head, quantized caches) are those of
 kernels/attention_triton.py.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import (LOG2E, LN2, MIN_BLOCK_M, _block_numbers, _block_table_strides, _check_cache,
-                                      _dot_config, _load_kv_scales, _load_kv_tile, _online_softmax_step, kv_tile)
+from kernels.attention_triton import (LOG2E, LN2, MIN_BLOCK_M, _check_cache, _dot_config, _load_kv_scales,
+                                      _load_kv_tile, _online_softmax_step, _pages, kv_tile)
 from kernels.kv_store import kernel_view
 
 MIN_SPLIT = 256   # slots: a shorter split costs more in merging than it gains in parallelism
@@ -53,24 +53,25 @@ def decode_workspace(max_partials: int, head_dim: int, device: torch.device | st
                            partial_lse=torch.empty(max_partials, dtype=torch.float32, device=device))
 
 
-def logits_scratch(num_blocks: int, num_heads: int, block_size: int, device: torch.device | str) -> torch.Tensor:
+def logits_scratch(num_pages: int, group: int, block_size: int, device: torch.device | str) -> torch.Tensor:
     """Where a scored decode keeps each key's raw logits until the merge knows the final
-    log-sum-exp: [num_blocks, Hq, block_size] fp32, laid out like the cache (a slot of KV
-    head h keeps the logits of query heads h*G .. h*G+G-1), so its size follows the pool,
-    not the longest context. One serves every layer."""
-    return torch.empty(num_blocks, num_heads, block_size, dtype=torch.float32, device=device)
+    log-sum-exp: [P, G, block_size] fp32, laid out like the cache (a slot of a page of KV
+    head h keeps the logits of its G query heads h*G .. h*G+G-1), so its size follows the
+    pool, not the longest context. One serves every layer."""
+    return torch.empty(num_pages, group, block_size, dtype=torch.float32, device=device)
 
 
 @triton.jit
-def _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """The slots [start, end) of one split of a sequence's context, and the split length.
+def _split_range(context_len_ptr, split, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """The slots [start, end) of one split of a (sequence, KV head)'s context, whose length
+    is at context_len_ptr, the split length, and the context length.
 
-    Each sequence cuts its *own* context into num_splits ranges, each a whole
-    number of tiles and at least MIN_SPLIT slots (so a short context uses only
+    Each (sequence, KV head) cuts its *own* context into num_splits ranges, each a
+    whole number of tiles and at least MIN_SPLIT slots (so a short context uses only
     its first few splits): the grid depends on shapes alone, for CUDA graphs,
     while the work follows the real context lengths.
     """
-    context_len = tl.load(context_lens_ptr + seq)
+    context_len = tl.load(context_len_ptr)
     split_len = tl.maximum(tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
     start = split * split_len
     return start, tl.minimum(start + split_len, context_len), split_len, context_len
@@ -80,9 +81,9 @@ def _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr, logits_ptr,
         qk_scale, num_splits,
-        stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-        stride_qsb, stride_qsh, stride_qss, stride_table_b, stride_table_h, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-        stride_lgb, stride_lgh,
+        stride_qb, stride_qh, stride_kp, stride_ks, stride_vp, stride_vs, stride_qsp, stride_qss,
+        stride_table_b, stride_table_h, stride_cl, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
+        stride_lgp, stride_lgg,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE_LOGITS: tl.constexpr, QUANTIZED: tl.constexpr):
@@ -94,7 +95,8 @@ def _decode_split_kernel(
     lse -inf).
     """
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end, split_len, context_len = _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N, MIN_SPLIT)
+    start, end, split_len, context_len = _split_range(context_lens_ptr + seq * stride_cl + kv_head, split,
+                                                      num_splits, BLOCK_N, MIN_SPLIT)
 
     rows = tl.arange(0, BLOCK_M)                      # query heads of the group, padded to BLOCK_M
     row_valid = rows < G
@@ -111,21 +113,21 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = table_ptr + seq * stride_table_b + kv_head * stride_table_h
     slots = start + tl.arange(0, BLOCK_N)
-    blocks = _block_numbers(table, slots, slots < end, BLOCK_SIZE)
+    pages = _pages(table, slots, slots < end, BLOCK_SIZE)
     for n in range(start, end, BLOCK_N):              # slot n is visible: rows get a finite score
         slots = n + tl.arange(0, BLOCK_N)
         slot_valid = slots < end
-        k, v = _load_kv_tile(k_ptr, v_ptr, blocks, slots, slot_valid, kv_head, dims, dim_valid, BLOCK_SIZE,
-                             stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, q.dtype)
-        k_scale, v_scale = _load_kv_scales(scales_ptr, blocks, slots, slot_valid, kv_head, BLOCK_SIZE,
-                                           stride_qsb, stride_qsh, stride_qss, QUANTIZED)
+        k, v = _load_kv_tile(k_ptr, v_ptr, pages, slots, slot_valid, dims, dim_valid, BLOCK_SIZE,
+                             stride_kp, stride_ks, stride_vp, stride_vs, q.dtype)
+        k_scale, v_scale = _load_kv_scales(scales_ptr, pages, slots, slot_valid, BLOCK_SIZE,
+                                           stride_qsp, stride_qss, QUANTIZED)
         if SAVE_LOGITS:   # where the merge kernel, which knows the final lse, finds them: like the cache
-            logits_slots = blocks * stride_lgb + slots % BLOCK_SIZE
-        blocks = _block_numbers(table, slots + BLOCK_N, slots + BLOCK_N < end, BLOCK_SIZE)   # prefetch
+            logits_slots = pages * stride_lgp + slots % BLOCK_SIZE
+        pages = _pages(table, slots + BLOCK_N, slots + BLOCK_N < end, BLOCK_SIZE)   # prefetch
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (qk_scale * k_scale)[None, :]
         s = tl.where(slot_valid[None, :], s, float("-inf"))
         if SAVE_LOGITS:
-            tl.store(logits_ptr + logits_slots[None, :] + head[:, None] * stride_lgh, s,
+            tl.store(logits_ptr + logits_slots[None, :] + rows[:, None] * stride_lgg, s,
                      mask=row_valid[:, None] & slot_valid[None, :])
         acc, m, l = _online_softmax_step(acc, m, l, s, v, v_scale, DOT_PRECISION)
 
@@ -142,12 +144,12 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
         part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, logits_ptr, score_ptr, table_ptr, context_lens_ptr,
-        score_from_ptr, num_splits,
+        score_from_ptr, square_ptr, num_splits,
         stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, stride_lb,
-        stride_lgb, stride_lgh, stride_sb, stride_sh, stride_table_b, stride_table_h,
+        stride_lgp, stride_lgg, stride_sp, stride_table_b, stride_table_h, stride_cl,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-        RETURN_LSE: tl.constexpr, SCORES: tl.constexpr):
+        RETURN_LSE: tl.constexpr, SCORES: tl.constexpr, SQUARE: tl.constexpr):
     """Combine the splits of one (sequence, KV head), and emit its key scores.
 
     Grid (B, Hkv, num_splits). Every program computes the final log-sum-exp of
@@ -155,12 +157,14 @@ def _decode_merge_kernel(
     few numbers). The program of split 0 merges the outputs: split i's output
     is weighted by exp2(lse_i - lse), its share of the whole denominator. With
     SCORES, every program turns the saved logits of its own split's slots into
-    probabilities, exp2(logit - lse), sums them over the group and adds them
-    into the score cache, so the key scores are as parallel as the attention. A
-    sequence's one query counts only if score_from[seq] <= 0 (windowed rankings).
+    probabilities, exp2(logit - lse), squares them if SQUARE and square_scores[seq],
+    sums them over the group and adds them into the score cache, so the key scores
+    are as parallel as the attention. A sequence's one query counts only if
+    score_from[seq] <= 0 (windowed rankings).
     """
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end, split_len, context_len = _split_range(context_lens_ptr, seq, split, num_splits, BLOCK_N, MIN_SPLIT)
+    start, end, split_len, context_len = _split_range(context_lens_ptr + seq * stride_cl + kv_head, split,
+                                                      num_splits, BLOCK_N, MIN_SPLIT)
     if SCORES:
         counts = tl.load(score_from_ptr + seq) <= 0
         end = tl.where(counts, end, start)   # a query before its window scores no slot
@@ -203,15 +207,17 @@ def _decode_merge_kernel(
         for n in range(start, end, BLOCK_N):
             slots = n + tl.arange(0, BLOCK_N)
             slot_valid = slots < end
-            blocks = _block_numbers(table, slots, slot_valid, BLOCK_SIZE)
-            logits = tl.load(logits_ptr + (blocks * stride_lgb + slots % BLOCK_SIZE)[None, :]
-                             + head[:, None] * stride_lgh,
+            pages = _pages(table, slots, slot_valid, BLOCK_SIZE)
+            logits = tl.load(logits_ptr + (pages * stride_lgp + slots % BLOCK_SIZE)[None, :]
+                             + rows[:, None] * stride_lgg,
                              mask=row_valid[:, None] & slot_valid[None, :], other=float("-inf"))
-            score = tl.sum(tl.exp2(logits - tl.where(has_keys, lse, 0.0)[:, None]), 0)  # padding rows: 0
-            offs = blocks * stride_sb + kv_head * stride_sh + slots % BLOCK_SIZE
+            probs = tl.exp2(logits - tl.where(has_keys, lse, 0.0)[:, None])   # padding rows: 0
+            if SQUARE:
+                probs = tl.where(tl.load(square_ptr + seq) != 0, probs * probs, probs)
             # No two programs of a call write one slot; relaxed (not ordered) atomics keep
-            # concurrent calls on a shared block correct at no ordering cost.
-            tl.atomic_add(score_ptr + offs, score, mask=slot_valid, sem="relaxed")
+            # concurrent calls on a shared page correct at no ordering cost.
+            tl.atomic_add(score_ptr + pages * stride_sp + slots % BLOCK_SIZE, tl.sum(probs, 0), mask=slot_valid,
+                          sem="relaxed")
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -219,7 +225,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   num_splits: int, return_lse: bool = False,
                                   score_cache: torch.Tensor | None = None, logits: torch.Tensor | None = None,
                                   workspace: DecodeWorkspace | None = None, out: torch.Tensor | None = None,
-                                  score_from: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None):
+                                  score_from: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
+                                  square_scores: torch.Tensor | None = None):
     """One query per sequence: q [B, Hq, D] -> out [B, Hq, D] (and lse [B, Hq]),
     as paged_attention_ref with cu_seqlens_q = arange(B + 1).
 
@@ -227,23 +234,26 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     ranges (_split_range), processed in parallel and combined by a merge
     kernel. Every launch parameter follows from shapes, never from context
     lengths, so a CUDA graph captured once replays correctly for any context
-    lengths that fit the table. Rows with context_len 0 (graph padding) give
-    output 0, lse -inf.
+    lengths that fit the table. A KV head with context length 0 (graph padding)
+    gives its query heads output 0, lse -inf.
 
-    score_cache [num_blocks, Hkv, block_size] fp32, if given, gets added (in
-    place) for every visible slot the softmax probabilities of that key,
-    summed over the G query heads of its KV head; logits (logits_scratch())
-    holds the raw scores meanwhile. score_from [B] int32: a sequence's query adds to
-    the scores only where score_from <= 0 (None: everywhere).
+    block_tables [B, Hkv, nb], context_lens [B, Hkv] (kernels/kv_store.py).
+    score_cache [P, block_size] fp32, if given, gets added (in place) for every
+    visible slot the softmax probabilities of that key (squared for a sequence
+    whose square_scores [B] bool is set), summed over the G query heads of its
+    KV head; logits (logits_scratch()) holds the raw scores meanwhile.
+    score_from [B] int32: a sequence's query adds to the scores only where
+    score_from <= 0 (None: everywhere).
 
     workspace (decode_workspace()) and logits are allocated per call if None,
     which is fine eagerly; under CUDA graphs pass ones allocated before capture,
     shared by all layers and all captured batch sizes. out: where to write
     (a [B, Hq, D] view), else a new tensor. kv_scales: a quantized cache's (kernels/kv_store.py).
     """
-    scales = _check_cache(q, k_cache, v_cache, kv_scales)
+    scales = _check_cache(q, k_cache, v_cache, kv_scales, block_tables, context_lens)
     B, Hq, D = q.shape
-    num_blocks, Hkv, block_size = k_cache.shape[:3]
+    num_pages, block_size = k_cache.shape[:2]
+    Hkv = block_tables.shape[1]
     G = Hq // Hkv
     scores = score_cache is not None
     if workspace is None:
@@ -251,37 +261,41 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     part_out, part_lse = workspace.views(B, Hq, num_splits, D)
     if scores:
         if logits is None:
-            logits = logits_scratch(num_blocks, Hq, block_size, q.device)
-        assert logits.shape == (num_blocks, Hq, block_size) and logits.dtype == torch.float32, logits.shape
-        assert score_cache.shape == k_cache.shape[:3] and score_cache.dtype == torch.float32
+            logits = logits_scratch(num_pages, G, block_size, q.device)
+        assert logits.shape == (num_pages, G, block_size) and logits.dtype == torch.float32, logits.shape
+        assert score_cache.shape == k_cache.shape[:2] and score_cache.dtype == torch.float32
         assert score_cache.stride(-1) == 1 and logits.stride(-1) == 1
         if score_from is None:
             score_from = torch.zeros(B, dtype=torch.int32, device=q.device)
         assert score_from.dtype == torch.int32 and score_from.shape[0] >= B, score_from.shape
+        assert square_scores is None or (square_scores.dtype == torch.bool and square_scores.shape[0] >= B)
     else:
         logits = score_cache = score_from = part_lse   # stand-ins the kernels never touch with scores off
+    square = square_scores is not None and scores
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
     if B == 0:
         return (out, lse) if return_lse else out
 
     upcast, precision = _dot_config(q.dtype)
-    table_strides = _block_table_strides(block_tables, Hkv)
+    table_strides = (*block_tables.stride()[:2], context_lens.stride(0))
     block_n, num_warps = kv_tile(q.dtype, quantized=kv_scales is not None)
     common = dict(HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
                   G=G, BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT)
     _decode_split_kernel[(B, Hkv, num_splits)](
         q, kernel_view(k_cache), kernel_view(v_cache), scales, block_tables, context_lens,
         part_out, part_lse, logits, scale * LOG2E, num_splits,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *scales.stride()[:3],
+        q.stride(0), q.stride(1), *k_cache.stride()[:2], *v_cache.stride()[:2], *scales.stride()[:2],
         *table_strides,
         *part_out.stride()[:3], *part_lse.stride()[:2], *logits.stride()[:2],
         BLOCK_M=max(MIN_BLOCK_M, triton.next_power_of_2(G)),
         UPCAST=upcast, DOT_PRECISION=precision, SAVE_LOGITS=scores, QUANTIZED=kv_scales is not None,
         num_warps=num_warps, **common)
     _decode_merge_kernel[(B, Hkv, num_splits)](
-        part_out, part_lse, out, lse, logits, score_cache, block_tables, context_lens, score_from, num_splits,
+        part_out, part_lse, out, lse, logits, score_cache, block_tables, context_lens, score_from,
+        square_scores if square else score_from, num_splits,
         *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), lse.stride(0),
-        *logits.stride()[:2], *score_cache.stride()[:2], *table_strides,
-        G_PAD=triton.next_power_of_2(G), RETURN_LSE=return_lse, SCORES=scores, num_warps=num_warps, **common)
+        *logits.stride()[:2], score_cache.stride(0), *table_strides,
+        G_PAD=triton.next_power_of_2(G), RETURN_LSE=return_lse, SCORES=scores, SQUARE=square,
+        num_warps=num_warps, **common)
     return (out, lse) if return_lse else out

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import _block_table_strides, _check_cache, _dot_config, _load_kv_scales, kv_tile
+from kernels.attention_triton import _check_cache, _dot_config, _load_kv_scales, _pages, kv_tile
 from kernels.kv_store import dequantize, from_cache, kernel_view
 
 
@@ -78,15 +78,12 @@ def accumulate_key_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, score_cach
 @triton.jit
 def _accumulate_key_scores_kernel(
         q_ptr, k_cache_ptr, scales_ptr, score_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-        lse_ptr, score_from_ptr, scale,
-        stride_q_t, stride_q_h,
-        stride_k_block, stride_k_head, stride_k_slot, stride_qs_block, stride_qs_head, stride_qs_slot,
-        stride_score_block, stride_score_head, stride_score_slot,
-        stride_table_seq, stride_table_head,
-        stride_lse_t, stride_lse_h,
+        lse_ptr, score_from_ptr, square_ptr, scale,
+        stride_q_t, stride_q_h, stride_k_page, stride_k_slot, stride_qs_page, stride_qs_slot, stride_score_page,
+        stride_table_seq, stride_table_head, stride_cl, stride_lse_t, stride_lse_h,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-        QUANTIZED: tl.constexpr):
+        QUANTIZED: tl.constexpr, SQUARE: tl.constexpr):
     """One program: BLOCK_N key slots of one KV head of one sequence, scored by
     all the sequence's queries, BLOCK_Q tokens x G heads (= up to BLOCK_M rows) at a time.
 
@@ -97,31 +94,29 @@ def _accumulate_key_scores_kernel(
     tile = tl.program_id(1)
     kv_head = tl.program_id(2)
 
-    context_len = tl.load(context_lens_ptr + seq)
+    context_len = tl.load(context_lens_ptr + seq * stride_cl + kv_head)
     first_slot = tile * BLOCK_N
     if first_slot >= context_len:   # the grid is sized for the longest context
         return
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    prefix_len = context_len - q_len   # slots before this step's tokens, seen by every query
+    prefix_len = context_len - q_len   # this head's slots before this step's tokens, seen by every query
 
-    # The tile's keys, each slot looked up in the block table on its own, so
+    # The tile's keys, each slot looked up in its head's block table on its own, so
     # BLOCK_N need not match the block size.
     slots = first_slot + tl.arange(0, BLOCK_N)
     slot_mask = slots < context_len
     table = block_tables_ptr + seq * stride_table_seq + kv_head * stride_table_head
-    # int64: block * stride can pass 2**31 elements in a large cache.
-    blocks = tl.load(table + slots // BLOCK_SIZE, mask=slot_mask, other=0).to(tl.int64)
+    pages = _pages(table, slots, slot_mask, BLOCK_SIZE)
     offsets = slots % BLOCK_SIZE
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_mask = dims < HEAD_DIM
-    k = tl.load(k_cache_ptr + blocks[:, None] * stride_k_block + kv_head * stride_k_head
-                + offsets[:, None] * stride_k_slot + dims[None, :],
+    k = tl.load(k_cache_ptr + (pages * stride_k_page + offsets * stride_k_slot)[:, None] + dims[None, :],
                 mask=slot_mask[:, None] & dim_mask[None, :], other=0.0)
     k = from_cache(k, tl.float32 if DOT_IN_FP32 else q_ptr.dtype.element_ty)   # q's dtype: 8 bits if quantized
     # A quantized key's scale multiplies its logits (kernels/attention_triton.py); ones otherwise.
-    k_scale = _load_kv_scales(scales_ptr, blocks, slots, slot_mask, kv_head, BLOCK_SIZE,
-                              stride_qs_block, stride_qs_head, stride_qs_slot, QUANTIZED)[0]
+    k_scale = _load_kv_scales(scales_ptr, pages, slots, slot_mask, BLOCK_SIZE,
+                              stride_qs_page, stride_qs_slot, QUANTIZED)[0]
 
     # Row m of a query tile is token m // G, query head kv_head * G + m % G
     # (vLLM's GQA packing); rows past BLOCK_Q * G are padding when G does not divide BLOCK_M.
@@ -145,10 +140,11 @@ def _accumulate_key_scores_kernel(
         visible = (slots[None, :] <= prefix_len + queries[:, None]) & row_mask[:, None] & slot_mask[None, :]
         # tl.where, not a multiply: exp of a masked-out logit may overflow to inf.
         probs = tl.where(visible, tl.exp(logits - lse[:, None]), 0.0)
+        if SQUARE:
+            probs = tl.where(tl.load(square_ptr + seq) != 0, probs * probs, probs)
         scores += tl.sum(probs, axis=0)
 
-    score_ptrs = (score_cache_ptr + blocks * stride_score_block + kv_head * stride_score_head
-                  + offsets * stride_score_slot)
+    score_ptrs = score_cache_ptr + pages * stride_score_page + offsets
     tl.store(score_ptrs, tl.load(score_ptrs, mask=slot_mask) + scores, mask=slot_mask)
 
 
@@ -157,7 +153,8 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
                                  context_lens: torch.Tensor, lse: torch.Tensor, scale: float,
                                  score_from: torch.Tensor | None = None,
                                  max_query_len: int | None = None, max_context_len: int | None = None,
-                                 kv_scales: torch.Tensor | None = None) -> None:
+                                 kv_scales: torch.Tensor | None = None,
+                                 square_scores: torch.Tensor | None = None) -> None:
     """accumulate_key_scores_ref as one Triton kernel that never materialises the
     [queries x keys] probabilities: each program recomputes them tile by tile.
 
@@ -165,13 +162,16 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
     the launch; the caller usually knows them, which saves a device sync each.
     """
     Hq, D = q.shape[1:]
-    Hkv, block_size = k_cache.shape[1:3]
+    Hkv, block_size = block_tables.shape[1], k_cache.shape[1]
     G = Hq // Hkv
-    scales = _check_cache(q, k_cache, k_cache, kv_scales)
+    scales = _check_cache(q, k_cache, k_cache, kv_scales, block_tables, context_lens)
+    assert score_cache.shape == k_cache.shape[:2] and score_cache.stride(1) == 1, score_cache.shape
     assert score_cache.dtype == torch.float32 and lse.dtype == torch.float32
+    B = len(context_lens)
     if score_from is None:
-        score_from = torch.zeros_like(context_lens)
-    assert score_from.dtype == torch.int32 and score_from.shape == context_lens.shape
+        score_from = torch.zeros(B, dtype=torch.int32, device=q.device)
+    assert score_from.dtype == torch.int32 and score_from.shape == (B,), score_from.shape
+    assert square_scores is None or (square_scores.dtype == torch.bool and square_scores.shape == (B,))
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if max_context_len is None:
@@ -184,18 +184,15 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
     block_n, num_warps = kv_tile(q.dtype)
     if fp32:
         block_n //= 2   # the K tile stays in registers for the whole loop
-    grid = (len(context_lens), triton.cdiv(max_context_len, block_n), Hkv)
+    grid = (B, triton.cdiv(max_context_len, block_n), Hkv)
     _accumulate_key_scores_kernel[grid](
         q, kernel_view(k_cache), scales, score_cache, block_tables, cu_seqlens_q, context_lens, lse,
-        score_from, scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scales.stride()[:3],
-        score_cache.stride(0), score_cache.stride(1), score_cache.stride(2),
-        *_block_table_strides(block_tables, Hkv),
-        lse.stride(0), lse.stride(1),
+        score_from, score_from if square_scores is None else square_scores, scale,
+        q.stride(0), q.stride(1), *k_cache.stride()[:2], *scales.stride()[:2], score_cache.stride(0),
+        *block_tables.stride()[:2], context_lens.stride(0), lse.stride(0), lse.stride(1),
         G=G, HEAD_DIM=D, HEAD_DIM_PADDED=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_m // G, BLOCK_N=block_n,
         DOT_IN_FP32=_dot_config(q.dtype)[0],   # the interpreter's bf16 tl.dot is wrong
-        QUANTIZED=kv_scales is not None,
+        QUANTIZED=kv_scales is not None, SQUARE=square_scores is not None,
         num_warps=num_warps,
     )

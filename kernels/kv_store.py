@@ -123,20 +123,18 @@ def _quantized(x, QMAX: tl.constexpr, INT8: tl.constexpr):
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_cache_ptr, score_cache_ptr, scales_ptr,
                      slot_ptr, positions_ptr, n_heads, head_dim, block_size,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
-                     stride_pb, stride_ph, stride_ps, stride_sb, stride_sh, stride_ss,
-                     stride_qb, stride_qh, stride_qs,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_slot_t,
+                     stride_kcp, stride_kcs, stride_vcp, stride_vcs, stride_pp, stride_sp, stride_qp, stride_qs,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr):
-    """One program per token: all its heads' K and V rows, positions and scores; with QMAX > 0
-    (a quantized cache) the rows quantized and their scales. A padding token (slot -1) masks
-    every store, so it writes nothing."""
+    """One program per token: all its heads' K and V rows, positions and scores, each head
+    into its own slot; with QMAX > 0 (a quantized cache) the rows quantized and their scales.
+    A padding slot (-1) masks its head's stores, so a padding token writes nothing."""
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    block, offset = slot // block_size, slot % block_size
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
-    head_ok = heads < tl.where(slot >= 0, n_heads, 0)  # a padding token has no heads to write
+    slots = tl.load(slot_ptr + t * stride_slot_t + heads, mask=heads < n_heads, other=-1).to(tl.int64)
+    head_ok = slots >= 0
+    pages, offsets = slots // block_size, slots % block_size
     mask = head_ok[:, None] & (dims < head_dim)[None, :]
     h, d = heads[:, None], dims[None, :]
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
@@ -144,18 +142,16 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_cache_ptr, scor
     if QMAX > 0:
         k, k_scale = _quantized(k, QMAX, INT8)
         v, v_scale = _quantized(v, QMAX, INT8)
-        scale_at = scales_ptr + block * stride_qb + heads * stride_qh + offset * stride_qs
+        scale_at = scales_ptr + pages * stride_qp + offsets * stride_qs
         tl.store(scale_at, k_scale, mask=head_ok)
         tl.store(scale_at + 1, v_scale, mask=head_ok)
-    tl.store(k_cache_ptr + block * stride_kcb + h * stride_kch + offset * stride_kcs + d,
-             _to_cache(k, k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + block * stride_vcb + h * stride_vch + offset * stride_vcs + d,
-             _to_cache(v, v_cache_ptr.dtype.element_ty), mask=mask)
-    position = tl.load(positions_ptr + t)
-    # Scalars broadcast to every head.
-    tl.store(pos_cache_ptr + block * stride_pb + heads * stride_ph + offset * stride_ps,
-             position.to(pos_cache_ptr.dtype.element_ty), mask=head_ok)
-    tl.store(score_cache_ptr + block * stride_sb + heads * stride_sh + offset * stride_ss, 0.0, mask=head_ok)
+    rows = (pages * stride_kcp + offsets * stride_kcs)[:, None]
+    tl.store(k_cache_ptr + rows + d, _to_cache(k, k_cache_ptr.dtype.element_ty), mask=mask)
+    rows = (pages * stride_vcp + offsets * stride_vcs)[:, None]
+    tl.store(v_cache_ptr + rows + d, _to_cache(v, v_cache_ptr.dtype.element_ty), mask=mask)
+    position = tl.load(positions_ptr + t)   # a scalar, broadcast to every head's slot
+    tl.store(pos_cache_ptr + pages * stride_pp + offsets, position.to(pos_cache_ptr.dtype.element_ty), mask=head_ok)
+    tl.store(score_cache_ptr + pages * stride_sp + offsets, 0.0, mask=head_ok)
 
 
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -164,28 +160,29 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     """store_kv_ref in one launch. k, v may be strided views (slices of the fused qkv output) as long
     as each head's D values are contiguous. Slots are not bounds-checked (that would sync the GPU)."""
     T, n_heads, head_dim = k.shape
-    block_size = k_cache.shape[2]
-    if v.shape != k.shape or k_cache.shape[1:] != (n_heads, block_size, head_dim) or v_cache.shape != k_cache.shape:
+    num_pages, block_size = k_cache.shape[:2]
+    if v.shape != k.shape or k_cache.shape[2:] != (head_dim,) or v_cache.shape != k_cache.shape:
         raise ValueError(f"shapes disagree: k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
-    if pos_cache.shape != k_cache.shape[:3] or score_cache.shape != k_cache.shape[:3]:
+    if pos_cache.shape != k_cache.shape[:2] or score_cache.shape != k_cache.shape[:2]:
         raise ValueError(f"pos_cache {tuple(pos_cache.shape)} and score_cache {tuple(score_cache.shape)} "
-                         f"must be {tuple(k_cache.shape[:3])}")
-    if slot_mapping.shape != (T,) or positions.shape != (T,):
-        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} and positions {tuple(positions.shape)} "
-                         f"must be [{T}]")
-    if (k.stride(2), v.stride(2), k_cache.stride(3), v_cache.stride(3)) != (1, 1, 1, 1):
-        raise ValueError("store_kv needs each head's D values contiguous in k, v and the caches")
+                         f"must be {tuple(k_cache.shape[:2])}")
+    if slot_mapping.shape != (T, n_heads) or positions.shape != (T,):
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be [{T}, {n_heads}] and positions "
+                         f"{tuple(positions.shape)} [{T}]")
+    if (k.stride(2), v.stride(2), k_cache.stride(2), v_cache.stride(2), slot_mapping.stride(1),
+            pos_cache.stride(1), score_cache.stride(1)) != (1,) * 7:
+        raise ValueError("store_kv needs the last dimension of k, v, the caches and slot_mapping contiguous")
     qmax = QUANT_MAX.get(k_cache.dtype, 0.0)
-    if qmax and (kv_scales is None or kv_scales.shape != (*k_cache.shape[:3], 2) or kv_scales.stride(3) != 1):
-        raise ValueError(f"a {k_cache.dtype} cache needs kv_scales {(*k_cache.shape[:3], 2)} "
+    if qmax and (kv_scales is None or kv_scales.shape != (num_pages, block_size, 2) or kv_scales.stride(2) != 1):
+        raise ValueError(f"a {k_cache.dtype} cache needs kv_scales {(num_pages, block_size, 2)} "
                          f"(the last dimension contiguous), got {kv_scales if kv_scales is None else kv_scales.shape}")
-    scales = kv_scales if qmax else score_cache   # a stand-in the kernel never touches unquantized
+    scales = kv_scales if qmax else k_cache   # a stand-in the kernel never touches unquantized
     _store_kv_kernel[(T,)](
         k, v, kernel_view(k_cache), kernel_view(v_cache), pos_cache, score_cache, scales, slot_mapping, positions,
         n_heads, head_dim, block_size,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], *pos_cache.stride(), *score_cache.stride(),
-        *scales.stride()[:3],
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), slot_mapping.stride(0),
+        *k_cache.stride()[:2], *v_cache.stride()[:2], pos_cache.stride(0), score_cache.stride(0),
+        *scales.stride()[:2],
         BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         QMAX=qmax, INT8=k_cache.dtype == torch.int8)

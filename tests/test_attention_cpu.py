@@ -6,25 +6,27 @@ import torch
 from kernels.attention import paged_attention_ref
 from kernels.attention_cpu import paged_attention_cpu
 from kernels.key_scores import accumulate_key_scores_ref
-from test_attention_triton import make_cache, mixed_chunks, scattered_tables, varlen_batch
+from test_attention_triton import make_cache, mixed_chunks, mixed_squares, scattered_tables, varlen_batch
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 def run_both(chunks, dtype, G, head_dim=64, block_size=16, num_kv_heads=2, scores=True):
     torch.manual_seed(0)
-    q, cu_seqlens_q, context_lens = varlen_batch(chunks, num_kv_heads * G, head_dim, dtype, "cpu")
-    width = max(-(-int(n) // block_size) for n in context_lens) + 2
-    num_blocks = len(chunks) * width
-    k_cache, v_cache = make_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype, "cpu")
-    tables = scattered_tables(context_lens.tolist(), block_size, num_blocks, width)
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, num_kv_heads, G, head_dim, dtype, "cpu")   # ragged heads
+    width = -(-int(context_lens.max()) // block_size) + 2
+    num_pages = len(chunks) * num_kv_heads * width
+    k_cache, v_cache = make_cache(num_pages, block_size, head_dim, dtype, "cpu")
+    tables = scattered_tables(context_lens, block_size, num_pages, width)
     scale = head_dim ** -0.5
-    initial = torch.rand(num_blocks, num_kv_heads, block_size)
+    square = mixed_squares(len(chunks), "cpu")
+    initial = torch.rand(num_pages, block_size)
     ref_scores, cpu_scores = initial.clone(), initial.clone()
     ref, lse = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale, return_lse=True)
-    accumulate_key_scores_ref(q, k_cache, ref_scores, tables, cu_seqlens_q, context_lens, lse, scale)
+    accumulate_key_scores_ref(q, k_cache, ref_scores, tables, cu_seqlens_q, context_lens, lse, scale,
+                              square_scores=square)
     out = paged_attention_cpu(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
-                              score_cache=cpu_scores if scores else None)
+                              score_cache=cpu_scores if scores else None, square_scores=square)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     if scores:

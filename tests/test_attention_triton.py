@@ -209,10 +209,11 @@ def test_decode_rows_only(G):
 # Decode: split + merge, and key scores
 # ----------------------------------------------------------------------------
 
-def decode_batch(lens, num_kv_heads, G, head_dim, block_size, dtype, device, spare=3):
+def decode_batch(lens, num_kv_heads, G, head_dim, block_size, dtype, device, spare=3, full=False):
     """Decode inputs for head-0 context lengths `lens` (0: a CUDA-graph padding row, every
-    head empty; others ragged): q, k_cache, v_cache, tables, context_lens [B, Hkv]."""
-    context_lens = ragged(lens, num_kv_heads, [min(n, 1) for n in lens])
+    head empty; others ragged): q, k_cache, v_cache, tables, context_lens [B, Hkv].
+    full: every head holds lens[b] slots, so that the tables fit any shorter lengths."""
+    context_lens = ragged(lens, num_kv_heads, lens if full else [min(n, 1) for n in lens])
     width = -(-max(lens) // block_size) + 1
     num_pages = len(lens) * num_kv_heads * width + spare      # some pages stay unused
     k_cache, v_cache = make_cache(num_pages, block_size, head_dim, dtype, device)
@@ -299,7 +300,7 @@ def test_decode_workspace_reuse():
     bigger batch, serve calls whose context lengths change; they are never cleared."""
     Hkv, G, D, block_size, num_splits, width = 2, 3, 64, 16, 4, 8
     q, k_cache, v_cache, tables, _ = decode_batch([width * block_size] * 3, Hkv, G, D, block_size,
-                                                  torch.float16, KERNEL_DEVICE)
+                                                  torch.float16, KERNEL_DEVICE, full=True)
     workspace = decode_workspace(6 * Hkv * G * num_splits, D, device=KERNEL_DEVICE)
     logits = logits_scratch(len(k_cache), G, block_size, KERNEL_DEVICE)
     cu_seqlens_q = torch.arange(4, dtype=torch.int32, device=KERNEL_DEVICE)
@@ -403,7 +404,7 @@ def test_decode_cuda_graph_replay():
     """Captured once, replayed with other (ragged) context lengths: the static grid at work."""
     Hkv, G, D, block_size, num_splits, width = 4, 3, 64, 16, 8, 64
     q, k_cache, v_cache, tables, context_lens = decode_batch([width * block_size] * 4, Hkv, G, D, block_size,
-                                                             torch.bfloat16, "cuda")
+                                                             torch.bfloat16, "cuda", full=True)
     context_lens.fill_(1)
     scores = torch.zeros(k_cache.shape[:2], device="cuda")
     square = mixed_squares(4, "cuda")

@@ -1,4 +1,4 @@
-"""The quantized KV cache (kernels/kv_store.py): int8 and fp8 rows with per-(slot, KV head)
+"""The quantized KV cache (kernels/kv_store.py): int8 and fp8 rows with per-slot
 scales, written by store_kv and dequantized by every attention kernel as it loads.
 
 Each kernel on a quantized cache must match the reference on the dequantized cache as
@@ -14,7 +14,7 @@ from kernels.attention_triton import paged_attention_triton
 from kernels.decode_attention import paged_decode_attention_triton
 from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
 from kernels.kv_store import QUANT_MAX, dequantize, quantize, store_kv_ref, store_kv_triton
-from test_attention_triton import TOL, make_cache, mixed_chunks, param_id, scattered_tables, varlen_batch
+from test_attention_triton import TOL, make_cache, mixed_chunks, mixed_squares, param_id, scattered_tables, varlen_batch
 
 FORMATS = list(QUANT_MAX)   # int8, and fp8 e4m3 where torch has it
 # The reference on a quantized cache against the unquantized one (unit-variance K, V and q,
@@ -51,84 +51,102 @@ def test_round_trip_within_the_format_bound(fmt):
 @pytest.mark.parametrize("fmt", FORMATS, ids=param_id)
 def test_store_kv_quantizes_as_it_writes(fmt):
     """The Triton store writes exactly what the reference writes: values, scales, positions."""
-    T, H, D, num_blocks, bs = 6, 3, 80, 4, 16
+    T, H, D, num_pages, bs = 6, 3, 80, 4, 16
     k, v = torch.randn(T, H, D) * 3, torch.randn(T, H, D) * torch.logspace(-4, 0, D)
     k[1, 2] = 0.0
-    slots, positions = torch.tensor([3, 17, -1, 40, 63, 0]), torch.arange(T) + 100
+    slots = torch.randperm(num_pages * bs)[:T * H].view(T, H)
+    slots[2] = -1   # a padding token
+    positions = torch.arange(T) + 100
     written = []
     for store in (store_kv_ref, store_kv_triton):
-        cache = [torch.zeros(num_blocks, H, bs, D, dtype=fmt), torch.zeros(num_blocks, H, bs, D, dtype=fmt),
-                 torch.zeros(num_blocks, H, bs, dtype=torch.int32), torch.ones(num_blocks, H, bs)]
-        scales = torch.zeros(num_blocks, H, bs, 2)
+        cache = [torch.zeros(num_pages, bs, D, dtype=fmt), torch.zeros(num_pages, bs, D, dtype=fmt),
+                 torch.zeros(num_pages, bs, dtype=torch.int32), torch.ones(num_pages, bs)]
+        scales = torch.zeros(num_pages, bs, 2)
         store(k, v, *cache, slots, positions, kv_scales=scales)
         written.append([t.float() for t in (*cache, scales)])   # as values: -0 == 0
     for ref, tri in zip(*written):
         assert torch.equal(ref, tri)
     k_cache, _, _, _, scales = written[0]
-    stored = dequantize(k_cache, scales[..., 0])[slots[1] // bs, :, slots[1] % bs]
-    assert torch.equal(stored, dequantize(*quantize(k[1], fmt)))
+    page, offset = slots[1] // bs, slots[1] % bs   # token 1's slot in each head
+    assert torch.equal(dequantize(k_cache[page, offset], scales[page, offset, 0]), dequantize(*quantize(k[1], fmt)))
 
 
-def quantized_cache(num_blocks, num_kv_heads, block_size, head_dim, fmt):
+def quantized_cache(num_pages, block_size, head_dim, fmt):
     """(K, V) unquantized fp32, (K, V) quantized to fmt, their scales, (K, V) dequantized."""
-    k, v = make_cache(num_blocks, num_kv_heads, block_size, head_dim, torch.float32, "cpu")
+    k, v = make_cache(num_pages, block_size, head_dim, torch.float32, "cpu")
     (kq, ks), (vq, vs) = quantize(k, fmt), quantize(v, fmt)
     return (k, v), (kq, vq), torch.stack([ks, vs], dim=-1), (dequantize(kq, ks), dequantize(vq, vs))
+
+
+def quantized_batch(fmt, dtype):
+    """A mixed batch (ragged heads) over a quantized cache, and the reference on it:
+    (q, cache, scales, dequantized, original, args, reference)."""
+    block_size, Hkv, G, D = 16, 2, 3, 64
+    chunks = mixed_chunks(block_size)
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv, G, D, dtype, "cpu")
+    width = -(-int(context_lens.max()) // block_size) + 2
+    num_pages = len(chunks) * Hkv * width
+    original, cache, scales, dequantized = quantized_cache(num_pages, block_size, D, fmt)
+    dequantized = [t.to(dtype) if dtype == torch.float32 else t for t in dequantized]
+    tables = scattered_tables(context_lens, block_size, num_pages, width)
+    square = mixed_squares(len(chunks), "cpu")
+    args = (tables, cu_seqlens_q, context_lens, D ** -0.5)
+
+    def reference(k_cache, v_cache, kv_scales=None, batch=(q, *args, square)):
+        q_, tables_, cu_seqlens_q_, context_lens_, scale, square_ = batch
+        out, lse = paged_attention_ref(q_, k_cache, v_cache, tables_, cu_seqlens_q_, context_lens_, scale,
+                                       return_lse=True, kv_scales=kv_scales)
+        scores = torch.zeros(num_pages, block_size)
+        accumulate_key_scores_ref(q_, k_cache, scores, tables_, cu_seqlens_q_, context_lens_, lse, scale,
+                                  kv_scales=kv_scales, square_scores=square_)
+        return out.float(), lse, scores
+
+    return q, cache, scales, dequantized, original, args, square, reference
+
+
+def close(actual, expected, tol):
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a.float(), e.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("fmt,dtype", [(torch.int8, torch.float32), (FORMATS[-1], torch.float32),
                                        (torch.int8, torch.bfloat16)], ids=param_id)
 def test_every_kernel_dequantizes(fmt, dtype):
-    """Prefill (Triton), decode (Triton), key scores (Triton), the CPU backend and the reference,
-    on one quantized cache: each as close to the reference on the dequantized cache as on an
-    unquantized cache, and within LOOSE of the reference on the original values."""
-    block_size, Hkv, G, D = 16, 2, 3, 64
-    chunks = mixed_chunks(block_size)
-    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv * G, D, dtype, "cpu")
-    width = max(-(-int(n) // block_size) for n in context_lens) + 2
-    num_blocks = len(chunks) * width
-    original, cache, scales, dequantized = quantized_cache(num_blocks, Hkv, block_size, D, fmt)
-    dequantized = [t.to(dtype) if dtype == torch.float32 else t for t in dequantized]
-    tables = scattered_tables(context_lens.tolist(), block_size, num_blocks, width)
-    args = (tables, cu_seqlens_q, context_lens, D ** -0.5)
+    """Prefill (Triton), decode (Triton), key scores (Triton, plain and squared) and the
+    reference, on one quantized cache: each as close to the reference on the dequantized
+    cache as on an unquantized cache, and within LOOSE of the reference on the original values."""
+    q, cache, scales, dequantized, original, args, square, reference = quantized_batch(fmt, dtype)
     tight, loose = TOL[dtype][0], LOOSE[fmt]
-
-    def reference(k_cache, v_cache, kv_scales=None, batch=(q, *args)):
-        q_, tables_, cu_seqlens_q_, context_lens_, scale = batch
-        out, lse = paged_attention_ref(q_, k_cache, v_cache, tables_, cu_seqlens_q_, context_lens_, scale,
-                                       return_lse=True, kv_scales=kv_scales)
-        scores = torch.zeros(num_blocks, Hkv, block_size)
-        accumulate_key_scores_ref(q_, k_cache, scores, tables_, cu_seqlens_q_, context_lens_, lse, scale,
-                                  kv_scales=kv_scales)
-        return out.float(), lse, scores
-
-    def close(actual, expected, tol):
-        for a, e in zip(actual, expected):
-            torch.testing.assert_close(a.float(), e.float(), atol=tol, rtol=tol)
-
     expected = reference(*dequantized)
     close(reference(*cache, scales), expected, 1e-6)   # the reference dequantizes as it gathers
     close(reference(*original), expected, loose)
 
     out, lse = paged_attention_triton(q, *cache, *args, return_lse=True, kv_scales=scales)
-    scores = torch.zeros(num_blocks, Hkv, block_size)
-    accumulate_key_scores_triton(q, cache[0], scores, *args[:3], lse, args[3], kv_scales=scales)
+    scores = torch.zeros(cache[0].shape[:2])
+    accumulate_key_scores_triton(q, cache[0], scores, *args[:3], lse, args[3], kv_scales=scales,
+                                 square_scores=square)
     close((out, lse, scores), expected, tight)
-
-    scores = torch.zeros(num_blocks, Hkv, block_size)
-    out = paged_attention_cpu(q, *cache, *args, score_cache=scores, kv_scales=scales)
-    close((out, scores), expected[::2], tight)
 
     # Flash-decoding gets the rows of one query each (mixed_chunks puts them 4th to 8th).
-    rows = slice(3, len(chunks) - 1)
+    tables, cu_seqlens_q, context_lens, scale = args
+    rows = slice(3, len(context_lens) - 1)
     decodes = (q[cu_seqlens_q[rows].long()], tables[rows], torch.arange(5 + 1, dtype=torch.int32),
-               context_lens[rows], args[3])
+               context_lens[rows], scale, square[rows])
     expected = reference(*dequantized, batch=decodes)
     close(reference(*original, batch=decodes), expected, loose)
-    scores = torch.zeros(num_blocks, Hkv, block_size)
-    out, lse = paged_decode_attention_triton(decodes[0], *cache, decodes[1], decodes[3], decodes[4], 3,
-                                             return_lse=True, score_cache=scores, kv_scales=scales)
+    scores = torch.zeros(cache[0].shape[:2])
+    out, lse = paged_decode_attention_triton(decodes[0], *cache, decodes[1], decodes[3], scale, 3, return_lse=True,
+                                             score_cache=scores, kv_scales=scales, square_scores=decodes[5])
     close((out, lse, scores), expected, tight)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=param_id)
+def test_cpu_backend_dequantizes(fmt):
+    """The CPU backend on a quantized cache, as close to the reference as on an unquantized one."""
+    q, cache, scales, dequantized, _, args, square, reference = quantized_batch(fmt, torch.float32)
+    scores = torch.zeros(cache[0].shape[:2])
+    out = paged_attention_cpu(q, *cache, *args, score_cache=scores, kv_scales=scales, square_scores=square)
+    close((out, scores), reference(*dequantized)[::2], TOL[torch.float32][0])
 
 
 def test_memory_accounting_counts_the_scales():
