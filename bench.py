@@ -188,6 +188,7 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
         cuda_max_allocated_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
         decode_ms_per_step=1e3 * timings.decode_s / steps if steps else None,
         prefill_s=timings.prefill_s, decode_s=timings.decode_s, evict_s=timings.evict_s,
+        host_ms_per_step=1e3 * timings.host_s / max(steps + timings.prefill_steps, 1),
         prefill_steps=timings.prefill_steps, decode_steps=steps,
         mean_decode_batch=decode_batch / steps if steps else None,
         mean_decode_context=decode_context / decode_batch if decode_batch else None,
@@ -369,7 +370,7 @@ def bench_sweep(args, save: Callable[[dict], None]) -> list[dict]:
 
 # (header, record key, format) of each table's columns
 TIMES = [("decode ms/step", "decode_ms_per_step", ".1f"), ("prefill s", "prefill_s", ".2f"),
-         ("evict s", "evict_s", ".2f")]
+         ("evict s", "evict_s", ".2f"), ("host ms/step", "host_ms_per_step", ".2f")]
 SPEED = [("tokens/s", "tokens_per_s", ".1f"), ("x full", "x_full", ".2f")]
 STATIC_COLUMNS = [("method", "label", ""), ("batch", "largest", ""), ("OOM at", "oom_at", ""), *SPEED,
                   ("peak KV GB", "peak_kv_gb", ".3f"), *TIMES]

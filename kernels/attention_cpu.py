@@ -4,9 +4,12 @@
 - Each layer gathers its sequences' K and V out of the pool with one
   index_select per tensor; the gather indices, the masks and the score slots
   depend only on the step's metadata, so the runner builds them once per step
-  (a `StepPlan`, in AttentionMetadata) and every layer reuses them.
+  for all layers (a `StepPlan`, in AttentionMetadata) and each layer takes its
+  own (StepPlan.layer). When every head holds the same slots, one mask serves
+  all layers; heads of different lengths (an uneven method) get theirs.
 - Without eviction scores the attention itself is torch's fused flash
-  attention for the CPU (GQA without copies). A prefill chunk that follows
+  attention for the CPU (GQA without copies); a prefill chunk whose heads
+  differ in length takes the explicit path below. A prefill chunk that follows
   earlier context is causal with an offset, which SDPA's is_causal (aligned
   top-left) cannot express; rather than a masked pass over all n x L pairs, it
   is two flash passes merged by their log-sum-exps: the earlier context (no
@@ -19,7 +22,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -31,76 +34,106 @@ QUERY_TILE = 512   # prefill rows scored at a time: bounds the [heads, rows, con
 
 @dataclass
 class Chunk:
-    """Query rows that attend together, and where their context lives in the pool."""
+    """Query rows that attend together, and where their context lives in the pool: for all
+    layers in the plan, one layer's after StepPlan.layer."""
     rows: slice | torch.Tensor   # its query rows (decodes: the rows of all decode sequences)
     seqs: torch.Tensor           # [S] the batch index of each of its sequences
-    pool_rows: torch.Tensor      # [S, Hkv, L] int64: each slot's row in the pool (see _pool_rows)
-    blocks: torch.Tensor         # [S, L] int64: each slot's block, for the scores
-    mask: torch.Tensor | None    # decodes: additive [S, 1, 1, L] where contexts differ; None: all visible
-    visible: torch.Tensor | None   # bool [S, n, L], only for the path that computes probabilities
+    pool_rows: torch.Tensor      # [(L,) S, Hkv, C] int64: each slot's row in the pool seen as [num_pages * bs, ...]
+    lens: torch.Tensor           # [(L,) S, Hkv] each head's context length
+    even: bool                   # every head of every layer holds the same slots (per sequence)
+    widths: list[int] | None = None      # uneven: the slots layer l gathers (its longest head), C at most
+    mask: torch.Tensor | None = None     # decodes: additive [S, Hkv or 1, 1, C]; None if all see all C
+    visible: torch.Tensor | None = None  # bool [S or 1, Hkv or 1, n, C]: for the paths that need it
 
 
 @dataclass
 class StepPlan:
-    """Everything about a step that does not depend on the layer."""
+    """Everything about a step that does not depend on the layer, or is built for all at once."""
     decodes: Chunk | None
     prefills: list[Chunk]
+    dtype: torch.dtype
+    scores: bool
+
+    def layer(self, i: int) -> StepPlan:
+        """Layer i's gathers and masks."""
+        decodes = None if self.decodes is None else self._layer(self.decodes, i, prefill=False)
+        return replace(self, decodes=decodes, prefills=[self._layer(c, i, prefill=True) for c in self.prefills])
+
+    def _layer(self, c: Chunk, i: int, prefill: bool) -> Chunk:
+        if c.even:
+            return replace(c, pool_rows=c.pool_rows[i], lens=c.lens[i])
+        c = replace(c, pool_rows=c.pool_rows[i, ..., :c.widths[i]].contiguous(), lens=c.lens[i])
+        return _with_masks(c, self.dtype, self.scores, prefill)
 
 
-def _pool_rows(block_tables: torch.Tensor, context_len: int, num_kv_heads: int, block_size: int):
-    """[S, nb] tables -> [S, Hkv, L] int64, the row of each slot of each head in the pool seen
-    as [num_blocks * Hkv * bs, D] (one flat index_select gathers a layer's context, with no
-    second copy to put heads before slots), and [S, L] the block of each slot."""
-    slots = torch.arange(context_len, device=block_tables.device)
-    blocks = block_tables[:, slots // block_size].long()
-    heads = torch.arange(num_kv_heads, device=block_tables.device)[None, :, None]
-    return (blocks[:, None] * num_kv_heads + heads) * block_size + slots % block_size, blocks
+def _with_masks(c: Chunk, dtype: torch.dtype, scores: bool, prefill: bool) -> Chunk:
+    """c (one layer's, or an even one's layer 0) with the masks its attention needs."""
+    lens = c.lens if not c.even else c.lens[:, :1]   # [S, Hkv or 1]
+    slot = torch.arange(c.pool_rows.shape[-1], device=lens.device)
+    if prefill:   # query j of the chunk sees each head's slots up to its length - n + j
+        n = c.rows.stop - c.rows.start
+        visible = slot <= (lens - n)[..., None, None] + torch.arange(n, device=lens.device)[:, None]
+        return replace(c, visible=visible if scores or not c.even else None)
+    visible = (slot < lens[..., None])[:, :, None]                              # [S, Hkv or 1, 1, C]
+    mask = None
+    if not bool(visible.all()):   # SDPA would convert a bool mask again in every layer
+        mask = torch.zeros(visible.shape, dtype=dtype, device=lens.device).masked_fill_(~visible, float("-inf"))
+    return replace(c, mask=mask, visible=visible)
+
+
+def _pool_rows(tables: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Page tables [..., nb] -> [..., C] int64: the row of each of the first C slots in the
+    pool seen as [num_pages * bs, D] (one flat index_select gathers a layer's context)."""
+    slots = torch.arange(context_len, device=tables.device)
+    return (tables.long() * block_size)[..., slots // block_size] + slots % block_size
 
 
 def make_plan(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-              num_kv_heads: int, block_size: int, dtype: torch.dtype, scores: bool) -> StepPlan:
-    """Split the step into its decode rows (one batch padded to the longest context) and its
-    prefill chunks (one each, so that a long prompt never makes the decodes pad to its length)."""
+              block_size: int, dtype: torch.dtype, scores: bool) -> StepPlan:
+    """For every layer (block_tables [L, B, Hkv, nb], context_lens [L, B, Hkv]): split the
+    step into its decode rows (one batch padded to the longest context) and its prefill
+    chunks (one each, so that a long prompt never makes the decodes pad to its length)."""
     device = block_tables.device
+    starts = cu_seqlens_q.tolist()
+    longest = context_lens.amax(dim=2)                                          # [L, B]: per layer and sequence
+    per_seq = longest.amax(dim=0).tolist()
+    even = (context_lens == context_lens[:1, :, :1]).all(dim=(0, 2)).tolist()   # all its heads alike
 
-    def additive(visible):   # SDPA would convert a bool mask again in every layer
-        return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-
-    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
-    decode_seqs = [b for b in range(len(lens)) if starts[b + 1] - starts[b] == 1]
+    def widths(seqs) -> list[int] | None:   # an uneven chunk gathers, in each layer, its longest head
+        return None if all(even[b] for b in seqs) else longest[:, seqs].amax(dim=1).tolist()
+    decode_seqs = [b for b in range(len(per_seq)) if starts[b + 1] - starts[b] == 1]
     decodes = None
     if decode_seqs:
-        longest = max(lens[b] for b in decode_seqs)
         seqs = torch.tensor(decode_seqs, device=device)
-        visible = torch.arange(longest, device=device)[None, :] < context_lens[seqs, None]   # [S, L]
-        ragged = any(lens[b] != longest for b in decode_seqs)
         rows = slice(0, len(decode_seqs)) if decode_seqs == list(range(len(decode_seqs))) \
             else cu_seqlens_q[seqs].long()
-        decodes = Chunk(rows, seqs, *_pool_rows(block_tables[seqs], longest, num_kv_heads, block_size),
-                        additive(visible[:, None, None]) if ragged else None, visible[:, None])
+        longest_decode = max(per_seq[b] for b in decode_seqs)
+        decodes = Chunk(rows, seqs, _pool_rows(block_tables[:, seqs], longest_decode, block_size),
+                        context_lens[:, seqs], all(even[b] for b in decode_seqs), widths(decode_seqs))
     prefills = []
-    for b in range(len(lens)):
-        n, context_len = starts[b + 1] - starts[b], lens[b]
-        if n == 1:
-            continue
-        visible = None
-        if scores:
-            query_slot = context_len - n + torch.arange(n, device=device)
-            visible = (torch.arange(context_len, device=device)[None, :] <= query_slot[:, None])[None]
-        prefills.append(Chunk(slice(starts[b], starts[b + 1]), torch.tensor([b], device=device),
-                              *_pool_rows(block_tables[b:b + 1], context_len, num_kv_heads, block_size),
-                              None, visible))
-    return StepPlan(decodes, prefills)
+    for b in range(len(per_seq)):
+        if starts[b + 1] - starts[b] > 1:
+            prefills.append(Chunk(slice(starts[b], starts[b + 1]), torch.tensor([b], device=device),
+                                  _pool_rows(block_tables[:, b:b + 1], per_seq[b], block_size),
+                                  context_lens[:, b:b + 1], even[b], widths([b])))
+
+    def shared_masks(c: Chunk, prefill: bool) -> Chunk:   # an even chunk sees alike in every layer
+        if not c.even:
+            return c
+        masked = _with_masks(replace(c, lens=c.lens[0]), dtype, scores, prefill)
+        return replace(c, mask=masked.mask, visible=masked.visible)
+    return StepPlan(decodes and shared_masks(decodes, False), [shared_masks(c, True) for c in prefills],
+                    dtype, scores)
 
 
 def _gather(cache: torch.Tensor, pool_rows: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, Hkv, bs, D] -> [S, Hkv, L, D], contiguous, in one copy."""
+    """[num_pages, bs, D] -> [S, Hkv, C, D], contiguous, in one copy."""
     D = cache.shape[-1]   # named, not -1: a padded step may gather nothing
     return cache.view(-1, D).index_select(0, pool_rows.view(-1)).view(*pool_rows.shape, D)
 
 
 def _gather_kv(k_cache, v_cache, kv_scales, pool_rows, dtype):
-    """K and V [S, Hkv, L, D] in dtype (q's), dequantized if the cache is quantized."""
+    """K and V [S, Hkv, C, D] in dtype (q's), dequantized if the cache is quantized."""
     if kv_scales is None:
         return _gather(k_cache, pool_rows), _gather(v_cache, pool_rows)
     scales = _gather(kv_scales, pool_rows)
@@ -108,18 +141,14 @@ def _gather_kv(k_cache, v_cache, kv_scales, pool_rows, dtype):
             dequantize(_gather(v_cache, pool_rows), scales[..., 1]).to(dtype))
 
 
-def _add_scores(score_cache: torch.Tensor, blocks: torch.Tensor, probs_sum: torch.Tensor) -> None:
-    """score_cache [num_blocks, Hkv, bs] += probs_sum [S, Hkv, L] at the sequences' slots.
-    Accumulating: padded block tables repeat block 0, and those slots receive zeros."""
-    Hkv, bs = score_cache.shape[1:]
-    slots = torch.arange(blocks.shape[1], device=score_cache.device)
-    heads = torch.arange(Hkv, device=score_cache.device)[None, :, None]
-    score_cache.index_put_((blocks[:, None, :], heads, (slots % bs)[None, None, :]), probs_sum,
-                           accumulate=True)
+def _add_scores(score_cache: torch.Tensor, pool_rows: torch.Tensor, probs_sum: torch.Tensor) -> None:
+    """score_cache [num_pages, bs] += probs_sum [S, Hkv, C] at the heads' slots. Accumulating:
+    padded page tables repeat page 0, and the slots past a head's length receive zeros."""
+    score_cache.view(-1).index_put_((pool_rows,), probs_sum, accumulate=True)
 
 
 def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [1, Hq, n, D], the last n of k/v [1, Hkv, L, D], causal -> [1, Hq, n, D]."""
+    """q [1, Hq, n, D], the last n of k/v [1, Hkv, C, D], causal -> [1, Hq, n, D]."""
     prefix = k.shape[2] - q.shape[2]
     if prefix == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -131,14 +160,17 @@ def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return (seen_out.float() * seen_weight + own_out.float() * own_weight).to(q.dtype)
 
 
-def _attend_with_scores(q, k, v, visible, scale, counted):
-    """q [S, Hkv, G, n, D], k/v [S, Hkv, L, D], visible [S or 1, n, L] -> out [S, Hkv, G, n, D]
-    in q's dtype and the probabilities summed over G and the counted queries (counted [S, n]
-    bool, or None for all): [S, Hkv, L], all computed in fp32."""
-    logits = torch.matmul(q.float(), k.float().unsqueeze(2).transpose(-1, -2)) * scale   # [S, Hkv, G, n, L]
-    logits.masked_fill_(~visible[:, None, None], float("-inf"))
+def _attend_with_scores(q, k, v, visible, scale, counted, square):
+    """q [S, Hkv, G, n, D], k/v [S, Hkv, C, D], visible [S or 1, Hkv or 1, n, C] -> out
+    [S, Hkv, G, n, D] in q's dtype and the probabilities (squared where square [S] says)
+    summed over G and the counted queries (counted [S, n] bool, or None for all):
+    [S, Hkv, C], all computed in fp32."""
+    logits = torch.matmul(q.float(), k.float().unsqueeze(2).transpose(-1, -2)) * scale   # [S, Hkv, G, n, C]
+    logits.masked_fill_(~visible[:, :, None], float("-inf"))
     probs = logits.softmax(dim=-1)
     out = torch.matmul(probs, v.float().unsqueeze(2)).to(q.dtype)
+    if square is not None:
+        probs = torch.where(square[:, None, None, None, None], probs * probs, probs)
     if counted is not None:
         probs = probs * counted[:, None, None, :, None]
     return out, probs.sum(dim=(2, 3))
@@ -155,17 +187,19 @@ def _counted(score_from: torch.Tensor | None, seqs: torch.Tensor, first_query: i
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                         scale: float, score_cache: torch.Tensor | None = None,
-                        score_from: torch.Tensor | None = None, plan: StepPlan | None = None,
-                        kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """paged_attention_ref's output for q [T, Hq, D]; with score_cache, also
-    accumulate_key_scores_ref's update of it, score_from included (both up to float rounding).
-    plan: make_plan() of this step's metadata, shared by the layers (None: built here).
-    kv_scales: a quantized cache's scales."""
+                        score_from: torch.Tensor | None = None, square_scores: torch.Tensor | None = None,
+                        plan: StepPlan | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_attention_ref's output for q [T, Hq, D] (one layer: block_tables [B, Hkv, nb],
+    context_lens [B, Hkv]); with score_cache, also accumulate_key_scores_ref's update of it,
+    score_from and square_scores included (both up to float rounding). plan: this layer's
+    of make_plan() (StepPlan.layer), shared by the layers (None: built here). kv_scales: a
+    quantized cache's scales."""
     T, Hq, D = q.shape
-    Hkv, bs = k_cache.shape[1:3]
+    Hkv = block_tables.shape[1]
     G = Hq // Hkv
     if plan is None:
-        plan = make_plan(block_tables, cu_seqlens_q, context_lens, Hkv, bs, q.dtype, score_cache is not None)
+        plan = make_plan(block_tables[None], cu_seqlens_q, context_lens[None], k_cache.shape[1], q.dtype,
+                         score_cache is not None).layer(0)
     out = torch.empty_like(q) if plan.prefills else None
     if plan.decodes is not None:
         c = plan.decodes
@@ -176,25 +210,28 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             o = F.scaled_dot_product_attention(q_d, k, v, attn_mask=c.mask, scale=scale)
         else:
             o, probs_sum = _attend_with_scores(q_d[:, :, :, None], k, v, c.visible, scale,
-                                               _counted(score_from, c.seqs, 0, 1))
-            _add_scores(score_cache, c.blocks, probs_sum)
+                                               _counted(score_from, c.seqs, 0, 1),
+                                               None if square_scores is None else square_scores[c.seqs])
+            _add_scores(score_cache, c.pool_rows, probs_sum)
         if out is None:
             return o.reshape(T, Hq, D)
         out[c.rows] = o.reshape(S, Hq, D)
     for c in plan.prefills:
         k, v = _gather_kv(k_cache, v_cache, kv_scales, c.pool_rows, q.dtype)
         q_p = q[c.rows].transpose(0, 1)[None]                                # [1, Hq, n, D]
-        if score_cache is None:
+        if score_cache is None and c.even:
             out[c.rows] = _chunk_attention(q_p, k, v, scale)[0].transpose(0, 1)
             continue
         n, first = q_p.shape[2], c.rows.start
         q_g = q_p.view(1, Hkv, G, n, D)
         probs_sum = torch.zeros(1, Hkv, k.shape[2], device=q.device)
+        square = None if square_scores is None else square_scores[c.seqs]
         for at in range(0, n, QUERY_TILE):   # a tile of queries at a time bounds the probabilities' memory
             tile = slice(at, at + QUERY_TILE)
-            o, tile_sum = _attend_with_scores(q_g[:, :, :, tile], k, v, c.visible[:, tile], scale,
-                                              _counted(score_from, c.seqs, at, min(QUERY_TILE, n - at)))
+            o, tile_sum = _attend_with_scores(q_g[:, :, :, tile], k, v, c.visible[:, :, tile], scale,
+                                              _counted(score_from, c.seqs, at, min(QUERY_TILE, n - at)), square)
             out[first + at:first + at + o.shape[3]] = o[0].flatten(0, 1).transpose(0, 1)
             probs_sum += tile_sum
-        _add_scores(score_cache, c.blocks, probs_sum)
+        if score_cache is not None:
+            _add_scores(score_cache, c.pool_rows, probs_sum)
     return out

@@ -152,12 +152,13 @@ def bench_decode_step(bw: float) -> list[str]:
     cache.v.normal_()
     workspace = decode_workspace_for(batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_len, "cuda")
     graphs = DecodeGraphs(model, cache, workspace, batch, per_seq, max_len)
-    tables = torch.arange(batch * per_seq, device="cuda", dtype=torch.int32).view(batch, per_seq)
+    blocks = torch.arange(batch * per_seq, device="cuda").view(batch, per_seq)
+    tables = cache.pages(blocks).transpose(0, 1).contiguous()           # [L, B, Hkv, nb]: each head's pages
     ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
     positions = torch.full((batch,), ctx - 1, device="cuda")
-    slots = tables[:, (ctx - 1) // block].long() * block + (ctx - 1) % block
+    slots = tables[..., (ctx - 1) // block].long() * block + (ctx - 1) % block
     meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=torch.arange(batch + 1, device="cuda", dtype=torch.int32),
-                             context_lens=torch.full((batch,), ctx, device="cuda", dtype=torch.int32),
+                             context_lens=torch.full(tables.shape[:3], ctx, device="cuda", dtype=torch.int32),
                              block_tables=tables, max_query_len=1, max_context_len=max_len)
     t = ms(lambda: graphs.run(ids, positions, meta))
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

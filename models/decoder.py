@@ -58,16 +58,17 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         kernels.apply_rope(q, k, positions, cos_sin)  # before caching: a kept key keeps its position
-        layer = cache.layer(self.layer_idx)
-        kernels.store_kv(k, v, layer.k, layer.v, layer.positions, layer.scores,
-                         meta.slot_mapping, positions, kv_scales=layer.kv_scales)
-        out = kernels.paged_attention(q, layer.k, layer.v, meta.block_tables, meta.cu_seqlens_q,
-                                      meta.context_lens, self.scale, max_query_len=meta.max_query_len,
+        i = self.layer_idx   # the pool serves every layer: this layer's pages come from its tables
+        kernels.store_kv(k, v, cache.k, cache.v, cache.positions, cache.scores,
+                         meta.slot_mapping[i], positions, kv_scales=cache.kv_scales)
+        out = kernels.paged_attention(q, cache.k, cache.v, meta.block_tables[i], meta.cu_seqlens_q,
+                                      meta.context_lens[i], self.scale, max_query_len=meta.max_query_len,
                                       max_context_len=meta.max_context_len, num_decodes=meta.num_decodes,
-                                      score_cache=layer.scores if meta.accumulate_scores else None,
-                                      score_from=meta.score_from,
-                                      logits=layer.logits, workspace=meta.decode_workspace,
-                                      cpu_plan=meta.cpu_plan, kv_scales=layer.kv_scales)
+                                      score_cache=cache.scores if meta.accumulate_scores else None,
+                                      score_from=meta.score_from, square_scores=meta.square_scores,
+                                      logits=cache.logits, workspace=meta.decode_workspace,
+                                      cpu_plan=None if meta.cpu_plan is None else meta.cpu_plan.layer(i),
+                                      kv_scales=cache.kv_scales)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

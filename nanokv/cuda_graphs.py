@@ -5,7 +5,8 @@ A decode step of a small model is hundreds of short kernel launches; replaying
 a captured graph issues them all at once. Graphs replay fixed addresses, so
 every input lives in a static buffer: a real batch is copied in and padded up
 to the next bucket (padding rows: slot -1, context length 0, which the kernels
-skip). Logits and sampling stay outside the graph.
+skip). Logits and sampling stay outside the graph; so does a step whose page
+tables are wider than the buffers (an uneven method's head that kept many pages).
 """
 from __future__ import annotations
 
@@ -32,13 +33,15 @@ class DecodeGraphs:
         self.workspace = workspace   # allocated outside the graphs, so the memory profile saw it
         device = kv_cache.k.device
         n = max_num_seqs
+        heads = (kv_cache.num_layers, n, kv_cache.num_kv_heads)
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full(heads, -1, dtype=torch.long, device=device)
+        self.context_lens = torch.zeros(heads, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(*heads, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.score_from = torch.zeros(n, dtype=torch.int32, device=device)   # windowed rankings (attention.py)
+        self.square_scores = torch.zeros(n, dtype=torch.bool, device=device)
         self.hidden = torch.zeros(n, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype, device=device)
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         # Two graphs per size: one that also accumulates eviction scores (a batch with an
@@ -56,33 +59,36 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def _metadata(self, bs: int, scores: bool) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
-                                 context_lens=self.context_lens[:bs], block_tables=self.block_tables[:bs],
+        return AttentionMetadata(slot_mapping=self.slot_mapping[:, :bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
+                                 context_lens=self.context_lens[:, :bs], block_tables=self.block_tables[:, :bs],
                                  max_query_len=1, max_context_len=self.max_model_len, num_decodes=bs,
                                  accumulate_scores=scores, score_from=self.score_from[:bs],
-                                 decode_workspace=self.workspace)
+                                 square_scores=self.square_scores[:bs], decode_workspace=self.workspace)
 
     @torch.inference_mode()
     def _forward(self, bs: int, scores: bool) -> None:
         self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self.kv_cache,
                                       self._metadata(bs, scores))
 
-    def fits(self, num_seqs: int) -> bool:
-        return num_seqs <= self.batch_sizes[-1]
+    def fits(self, meta: AttentionMetadata) -> bool:
+        """A batch no larger than the largest graph, with page tables no wider than its buffers."""
+        width = self.block_tables.shape[-1]
+        return len(meta.cu_seqlens_q) - 1 <= self.batch_sizes[-1] and meta.block_tables.shape[-1] <= width
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The decode step of len(input_ids) sequences, through the smallest graph that holds them."""
         n = input_ids.shape[0]
         bs = next(s for s in self.batch_sizes if s >= n)
-        width = meta.block_tables.shape[1]
+        width = meta.block_tables.shape[-1]
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
-        self.slot_mapping[:n] = meta.slot_mapping
-        self.slot_mapping[n:bs] = -1
-        self.context_lens[:n] = meta.context_lens
-        self.context_lens[n:bs] = 0
-        self.block_tables[:n, :width] = meta.block_tables
+        self.slot_mapping[:, :n] = meta.slot_mapping
+        self.slot_mapping[:, n:bs] = -1
+        self.context_lens[:, :n] = meta.context_lens
+        self.context_lens[:, n:bs] = 0
+        self.block_tables[:, :n, :, :width] = meta.block_tables
         if meta.accumulate_scores:
             self.score_from[:n] = meta.score_from
+            self.square_scores[:n] = False if meta.square_scores is None else meta.square_scores
         self.graphs[bs, meta.accumulate_scores].replay()
         return self.hidden[:n]

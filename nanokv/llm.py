@@ -46,6 +46,7 @@ class RequestOutput:
     finish_reason: str | None   # "stop" (EOS, stop token or string), "length", "abort" or "error"
     prompt_logprobs: list[PromptLogprob | None] | None = None   # with SamplingParams(prompt_logprobs=True)
     kept_positions: torch.Tensor | None = None   # [layers, kv_heads, n], with return_kept_positions, at the end
+    #                                               (an uneven method's shorter heads padded with -1)
     error: str | None = None    # with finish_reason "error": what went wrong with this request
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
 

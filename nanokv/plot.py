@@ -17,24 +17,34 @@ import torch
 
 
 def plot_kept_positions(kept: torch.Tensor, num_positions: int, path: str, title: str = "") -> None:
-    """kept: [layers, kv_heads, n] original positions (RequestOutput.kept_positions)."""
+    """kept: [layers, kv_heads, n] original positions (RequestOutput.kept_positions; -1 pads
+    the heads of an uneven method that hold fewer)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     layers, heads, _ = kept.shape
-    grid = torch.zeros(layers * heads, num_positions)
-    grid.scatter_(1, kept.reshape(layers * heads, -1).long(), 1.0)
+    grid = torch.zeros(layers * heads, num_positions + 1)   # the last column takes the padding
+    grid.scatter_(1, kept.reshape(layers * heads, -1).long() % (num_positions + 1), 1.0)
+    grid = grid[:, :-1]
     fig, ax = plt.subplots(figsize=(12, max(3.0, 0.12 * layers * heads)))
     ax.imshow(grid.numpy(), aspect="auto", interpolation="nearest", cmap="Greys")
     ax.set_xlabel("token position")
     ax.set_ylabel("layer")
     ax.set_yticks([layer * heads for layer in range(0, layers, max(1, layers // 10))])
     ax.set_yticklabels(range(0, layers, max(1, layers // 10)))
-    ax.set_title(title or f"KV pairs kept per (layer, KV head): {kept.shape[-1]} of {num_positions}")
+    held = (kept >= 0).sum(dim=-1).float()
+    ax.set_title(f"{title or 'KV pairs kept per (layer, KV head)'}\n{held.mean():.0f} pairs per head on average "
+                 f"(from {held.min():.0f} to {held.max():.0f}) of {num_positions}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def held_per_layer(kept: torch.Tensor) -> list[tuple[int, float, int]]:
+    """(min, median, max) pairs held per KV head, for each layer: how uneven the budgets are."""
+    held = (kept >= 0).sum(dim=-1).float()
+    return [(int(h.min()), float(h.median()), int(h.max())) for h in held]
 
 
 def main() -> None:
@@ -60,6 +70,9 @@ def main() -> None:
     kept = llm.generate([prompt], params)[0].kept_positions
     title = f"{args.method}, |kv| = {args.budget}, p = {args.evict_every}: kept of {len(prompt)} prompt tokens"
     plot_kept_positions(kept, len(prompt), args.out, title)
+    print("layer  pairs per KV head: min  median  max")
+    for layer, (low, median, high) in enumerate(held_per_layer(kept)):
+        print(f"{layer:5d}  {low:24d}  {median:6.0f}  {high:3d}")
     print(f"wrote {args.out}")
 
 

@@ -18,11 +18,12 @@ import kernels
 from models import Decoder
 from nanokv.config import EngineConfig, ModelConfig
 from nanokv.cuda_graphs import DecodeGraphs
+from nanokv.eviction.pages import plan_page_eviction, repage
 from nanokv.eviction.rankings import HeldPairs
 from nanokv.kv_cache import KVCache
 from nanokv.sampling import Sampler
 from nanokv.scheduler import Eviction, ScheduledBatch
-from nanokv.sequence import PromptLogprob, Sequence
+from nanokv.sequence import HeadPages, PromptLogprob, Sequence
 
 LOGPROB_SLICE = 512   # prompt rows turned into vocabulary logits at a time
 
@@ -33,6 +34,7 @@ class Timings:
     prefill_s: float = 0.0   # steps with a prompt chunk (mixed steps count here)
     decode_s: float = 0.0    # steps of decodes only
     evict_s: float = 0.0
+    host_s: float = 0.0      # building the step's inputs (prepare): the host's share of every step
     prefill_steps: int = 0
     decode_steps: int = 0
 
@@ -110,11 +112,12 @@ class ModelRunner:
         n, bs, device = self.config.max_num_batched_tokens, self.block_size, self.device
         num_blocks = -(-n // bs)
         scratch = KVCache(self.model.config, num_blocks, bs, self.kv_dtype, device)
+        tables = scratch.pages(torch.arange(num_blocks, device=device)[None])
+        lens = torch.full(tables.shape[:3], n, dtype=torch.int32, device=device)
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=device),
+            slot_mapping=self._slot_mapping(tables, lens, [n]),
             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
-            context_lens=torch.tensor([n], dtype=torch.int32, device=device),
-            block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+            context_lens=lens.transpose(0, 1).contiguous(), block_tables=tables.transpose(0, 1).contiguous(),
             max_query_len=n, max_context_len=n, accumulate_scores=True)
         positions = torch.arange(n, device=device)
         hidden = self.model(torch.zeros(n, dtype=torch.long, device=device), positions, scratch, meta)
@@ -124,16 +127,13 @@ class ModelRunner:
         """Flatten the batch into the step's tensors, decodes first (AttentionMetadata),
         and note which rows get logits."""
         step = StepInputs()
-        ids, positions, slots, cu_seqlens, context_lens = [], [], [], [0], []
-        bs = self.block_size
+        ids, positions, cu_seqlens = [], [], [0]
         order = sorted(zip(batch.seqs, batch.num_new_tokens), key=lambda seq_n: seq_n[1] != 1)   # stable
         for seq, n in order:
-            start, first_slot = seq.num_computed_tokens, seq.num_kv_slots
+            start = seq.num_computed_tokens
             ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)   # true positions, also after eviction
-            slots += (seq.block_table[i // bs] * bs + i % bs for i in range(first_slot, first_slot + n))
             cu_seqlens.append(cu_seqlens[-1] + n)
-            context_lens.append(first_slot + n)
             if seq.prompt_logprobs is not None:   # rows predicting a prompt token
                 last = min(start + n, len(seq.prompt_token_ids) - 1)
                 step.logprob_rows += range(cu_seqlens[-2], cu_seqlens[-2] + last - start)
@@ -141,26 +141,61 @@ class ModelRunner:
             if start + n == seq.num_tokens:   # the chunk reaches the end: sample the next token
                 step.sample_rows.append(cu_seqlens[-1] - 1)
                 step.sampled_seqs.append(seq)
-        score_from = [seq.method.score_from(seq) for seq, _ in order]
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in order]
+        seqs, num_new = [seq for seq, _ in order], [n for _, n in order]
+        tables, lens, max_context_len = self._step_pages(seqs, num_new)
+        methods = [seq.method for seq in seqs]
 
         def tensor(x, dtype):
             return torch.tensor(x, dtype=dtype, device=self.device)
         step.input_ids, step.positions = tensor(ids, torch.long), tensor(positions, torch.long)
         step.meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.long), cu_seqlens_q=tensor(cu_seqlens, torch.int32),
-            context_lens=tensor(context_lens, torch.int32), block_tables=tensor(tables, torch.int32),
-            max_query_len=max(batch.num_new_tokens), max_context_len=max(context_lens),
-            num_decodes=batch.num_new_tokens.count(1),
-            accumulate_scores=any(seq.method.needs_scores for seq in batch.seqs),
-            score_from=tensor(score_from, torch.int32), decode_workspace=self.decode_workspace)
+            slot_mapping=self._slot_mapping(tables, lens, num_new), cu_seqlens_q=tensor(cu_seqlens, torch.int32),
+            context_lens=lens.transpose(0, 1).contiguous(), block_tables=tables.transpose(0, 1).contiguous(),
+            max_query_len=max(num_new), max_context_len=max_context_len, num_decodes=num_new.count(1),
+            accumulate_scores=any(m.needs_scores for m in methods),
+            score_from=tensor([m.score_from(seq) for m, seq in zip(methods, seqs)], torch.int32),
+            square_scores=tensor([m.squares_scores for m in methods], torch.bool)
+            if any(m.squares_scores for m in methods) else None,
+            decode_workspace=self.decode_workspace)
         if kernels.BACKEND == "cpu":   # the gathers and masks every layer shares, built once
             meta = step.meta
-            meta.cpu_plan = make_plan(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                      self.kv_cache.k.shape[2], self.block_size, self.dtype,
-                                      meta.accumulate_scores)
+            meta.cpu_plan = make_plan(meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.block_size,
+                                      self.dtype, meta.accumulate_scores)
         return step
+
+    def _step_pages(self, seqs: list[Sequence], num_new: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Each head's pages [B, L, Hkv, W] and length this step [B, L, Hkv], and a host-side
+        bound of the lengths. A head's pages are its sequence's blocks' (KVCache.pages), or
+        its own once an uneven method has evicted (Sequence.head_pages)."""
+        widths = [len(seq.block_table) for seq in seqs]
+        widths += [seq.head_pages.tables.shape[-1] for seq in seqs if seq.head_pages is not None]
+        width = max(widths)
+        blocks = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs],
+                              dtype=torch.int32, device=self.device)
+        tables = self.kv_cache.pages(blocks)
+        lens = [seq.num_kv_slots + n for seq, n in zip(seqs, num_new)]
+        bound = max(lens)
+        lens = torch.tensor(lens, dtype=torch.int32, device=self.device)[:, None, None].repeat(1, *tables.shape[1:3])
+        for b, (seq, n) in enumerate(zip(seqs, num_new)):
+            own = seq.head_pages
+            if own is not None:
+                tables[b, :, :, :own.tables.shape[-1]] = own.tables
+                lens[b] = own.lens + (seq.num_kv_slots + n - own.slots)
+                bound = max(bound, own.tables.shape[-1] * self.block_size)
+        return tables, lens, bound
+
+    def _slot_mapping(self, tables: torch.Tensor, lens: torch.Tensor, num_new: list[int]) -> torch.Tensor:
+        """[L, T, Hkv] int64: where each new token's pair goes in every head, the last
+        num_new[b] of the head's lens [B, L, Hkv] slots, through its pages tables [B, L, Hkv, W]."""
+        B, L, H = lens.shape
+        device = self.device
+        n = torch.tensor(num_new, device=device)
+        seq = torch.repeat_interleave(torch.arange(B, device=device), n)          # [T]: each row's sequence
+        j = torch.arange(len(seq), device=device) - (n.cumsum(0) - n)[seq]        # its index in the chunk
+        index = lens[seq] - (n[seq] - j)[:, None, None]                             # [T, L, H]: its slot per head
+        pages = tables[seq[:, None, None], torch.arange(L, device=device)[None, :, None],
+                       torch.arange(H, device=device)[None, None, :], index // self.block_size]
+        return (pages.long() * self.block_size + index % self.block_size).transpose(0, 1).contiguous()
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
@@ -173,8 +208,10 @@ class ModelRunner:
         self.evict(batch.evictions)
         evicted = self._clock()
         step = self.prepare(batch)
+        if self.timings is not None:
+            self.timings.host_s += self._clock() - evicted
         meta = step.meta
-        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(len(batch)):
+        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(meta):
             hidden = self.graphs.run(step.input_ids, step.positions, meta)
         else:
             hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
@@ -221,36 +258,74 @@ class ModelRunner:
     def evict(self, evictions: list[Eviction]) -> None:
         """Drop each eviction's pairs from every (layer, KV head) of its sequence and compact
         the survivors into the first slots (in their old order, so slot order stays position
-        order). The sequences of one rule, size and count are ranked together, as one batch."""
+        order). The sequences of one rule, size and count are ranked together, as one batch;
+        an uneven method's, one at a time (_evict_pages)."""
         groups = defaultdict(list)
         for eviction in evictions:
-            groups[eviction.seq.method.rule, eviction.num_slots, eviction.num_evicted].append(eviction.seq)
+            if eviction.seq.method.uneven:
+                self._evict_pages(eviction)
+            else:
+                groups[eviction.seq.method.rule, eviction.num_slots, eviction.num_evicted].append(eviction.seq)
         for (_, num_slots, num_evicted), seqs in groups.items():
             tables = self._tables(seqs, num_slots)
             keep = self._survivors(seqs, tables, num_slots, num_evicted)
             for seq, table, kept in zip(seqs, tables, keep):
                 kernels.compact_kv(self.kv_cache.per_slot, table, kept)
                 if seq.method.windowed:   # its scores restart: the next window counts from zero
-                    self.kv_cache.scores[:, table] = 0.0
+                    self.kv_cache.scores[table] = 0.0
 
     def _tables(self, seqs: list[Sequence], num_slots: int) -> torch.Tensor:
-        """[S, nb]: the blocks holding each sequence's first num_slots slots."""
+        """[S, L, Hkv, nb]: each head's pages holding the sequences' first num_slots slots."""
         nb = -(-num_slots // self.block_size)
-        return torch.tensor([seq.block_table[:nb] for seq in seqs], dtype=torch.long, device=self.device)
+        return self.kv_cache.pages(torch.tensor([seq.block_table[:nb] for seq in seqs], device=self.device))
+
+    def _held(self, seqs: list[Sequence], tables: torch.Tensor, n: int, lens: torch.Tensor | None = None) -> HeldPairs:
+        current = torch.tensor([seq.num_computed_tokens - 1 for seq in seqs], device=self.device)
+        return HeldPairs(self.read_slots(self.kv_cache.positions, tables, n),
+                         self.read_slots(self.kv_cache.scores, tables, n), current=current[:, None, None, None],
+                         keys=lambda: self._keys(tables, n), lens=lens)
 
     def _survivors(self, seqs: list[Sequence], tables: torch.Tensor, num_slots: int,
                    num_evicted: int) -> torch.Tensor:
         """[S, L, H, num_slots - num_evicted] ascending slot indices each head keeps, by the
         sequences' common rule: a stable ascending sort evicts the lowest first, ties by slot
         (= by position)."""
-        positions = self.read_slots(self.kv_cache.positions, tables, num_slots)
         if num_evicted == 0:
-            return torch.arange(num_slots, device=self.device).expand(positions.shape)
-        current = torch.tensor([seq.num_computed_tokens - 1 for seq in seqs], device=self.device)
-        held = HeldPairs(positions, self.read_slots(self.kv_cache.scores, tables, num_slots),
-                         current=current[:, None, None, None], keys=lambda: self._keys(tables, num_slots))
-        priority = seqs[0].method.keep_priority(held)
+            return torch.arange(num_slots, device=self.device).expand(len(seqs), *tables.shape[1:3], -1)
+        priority = seqs[0].method.keep_priority(self._held(seqs, tables, num_slots))
         return priority.argsort(dim=-1, stable=True)[..., num_evicted:].sort(dim=-1).values
+
+    def _head_pages(self, seq: Sequence, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An uneven method's pages [L, Hkv, W] and pairs per head [L, Hkv] when it holds
+        num_slots slots (per head on average): its blocks' pages until its first eviction."""
+        own = seq.head_pages
+        if own is None:
+            tables = self._tables([seq], num_slots)[0]
+            return tables, torch.full(tables.shape[:2], num_slots, device=self.device)
+        return own.tables, own.lens.long() + (num_slots - own.slots)
+
+    def _evict_pages(self, eviction: Eviction) -> None:
+        """KV-Compress: the sequence's heads go down to num_slots - num_evicted pairs each on
+        average by giving up whole pages, chosen across all heads and layers by the ranking
+        (nanokv/eviction/pages.py); each head's survivors move to the front of its pages
+        (MoveCache), and its pages in blocks the sequence gives back after this step move
+        into the blocks it keeps, whose unused pages are shared out among the heads."""
+        seq, num_slots = eviction.seq, eviction.num_slots
+        tables, lens = self._head_pages(seq, num_slots)
+        L, H, width = tables.shape
+        bs = self.block_size
+        priority = seq.method.keep_priority(self._held([seq], tables[None], width * bs, lens[None]))[0]
+        held_pages = -(-lens // bs)
+        target = (num_slots - eviction.num_evicted) * L * H // bs
+        keep, kept_lens, evicted = plan_page_eviction(priority, lens, max(int(held_pages.sum()) - target, 0), bs,
+                                                      seq.method.floor_pages(bs))
+        kernels.compact_kv(self.kv_cache.per_slot, tables, keep, kept_lens)
+        self.kv_cache.scores[tables[torch.arange(width, device=self.device) < held_pages[..., None]]] = 0.0
+        staying = self.kv_cache.pages(torch.tensor(seq.block_table[:eviction.num_blocks_kept], device=self.device))
+        tables, src, dst = repage(tables, held_pages - evicted, staying.flatten())
+        for buffer in self.kv_cache.per_slot:
+            buffer[dst.long()] = buffer[src.long()]
+        seq.head_pages = HeadPages(tables, kept_lens.int(), seq.num_kv_slots)
 
     def _keys(self, tables: torch.Tensor, n: int) -> torch.Tensor:
         """[S, L, H, n, D]: the keys of the first n slots, dequantized if the cache is quantized."""
@@ -258,17 +333,23 @@ class ModelRunner:
         return dequantize(self.read_slots(self.kv_cache.k, tables, n),
                           None if scales is None else self.read_slots(scales, tables, n)[..., 0])
 
-    def read_slots(self, per_slot: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
-        """The first n slots of S sequences (tables [S, nb]) from a per-slot buffer
-        [L, blocks, H, bs, ...] -> [S, L, H, n, ...]."""
-        pages = per_slot[:, tables]                                   # [L, S, nb, H, bs, ...]
-        return pages.movedim(0, 1).transpose(2, 3).flatten(3, 4)[:, :, :, :n]
+    @staticmethod
+    def read_slots(per_slot: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
+        """The first n slots of each head, through its pages tables [S, L, H, nb], from a
+        per-slot buffer [num_pages, bs, ...] -> [S, L, H, n, ...]."""
+        return per_slot[tables.long()].flatten(3, 4)[:, :, :, :n]
 
     def kept_positions(self, seq: Sequence) -> torch.Tensor:
         """The original positions of the pairs seq holds at the end, per layer and KV head:
-        [L, H, n]. A method whose algorithm evicts right after a chunk (ED) still has that
-        eviction pending here (the engine evicts before the next chunk): it is applied."""
+        [L, H, n], -1 after a head's last pair when heads hold different numbers. A method
+        whose algorithm evicts right after a chunk (ED) still has that eviction pending here
+        (the engine evicts before the next chunk): it is applied."""
         n = seq.num_kv_slots
+        if seq.method.uneven:
+            tables, lens = self._head_pages(seq, n)
+            positions = self.read_slots(self.kv_cache.positions, tables[None], tables.shape[-1] * self.block_size)[0]
+            slot = torch.arange(positions.shape[-1], device=self.device)
+            return positions.masked_fill(slot >= lens[..., None], -1)[..., :int(lens.max())].cpu()
         tables = self._tables([seq], n)
         pending = seq.method.evict_count(seq) if seq.method.evicts_eagerly else 0
         keep = self._survivors([seq], tables, n, pending)

@@ -30,10 +30,12 @@ from nanokv.sequence import Sequence, Status
 
 @dataclass
 class Eviction:
-    """Before this step's forward pass, seq drops num_evicted of its num_slots pairs per head."""
+    """Before this step's forward pass, seq drops num_evicted of its num_slots pairs per head;
+    after the step it gives back its blocks beyond the first num_blocks_kept."""
     seq: Sequence
     num_evicted: int
     num_slots: int
+    num_blocks_kept: int
 
 
 @dataclass
@@ -127,8 +129,9 @@ class Scheduler:
         n = min(budget, seq.method.max_chunk(seq, slots))
         if not self._make_room(seq, slots + n):
             return 0
-        if evict:
-            batch.evictions.append(Eviction(seq, evict, seq.num_kv_slots))
+        if evict:   # what it keeps after the step: the chunk's slots, and at least its steady size
+            kept = self.blocks.blocks_for(max(slots + n, seq.method.steady_slots(seq)))
+            batch.evictions.append(Eviction(seq, evict, seq.num_kv_slots, kept))
             seq.num_kv_slots = slots   # the runner compacts before the forward pass
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
@@ -154,7 +157,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
-        seq.block_table, seq.prefix_serials = [], []
+        seq.block_table, seq.prefix_serials, seq.head_pages = [], [], None
         seq.num_computed_tokens = seq.num_kv_slots = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -168,11 +171,10 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             seq.num_kv_slots += n
-        for eviction in batch.evictions:   # compacted: trailing blocks beyond its steady size go back
+        for eviction in batch.evictions:   # compacted: the blocks beyond those it keeps go back
             seq = eviction.seq
-            keep = self.blocks.blocks_for(max(seq.num_kv_slots, seq.method.steady_slots(seq)))
-            self.blocks.free(seq.block_table[keep:])
-            del seq.block_table[keep:]
+            self.blocks.free(seq.block_table[eviction.num_blocks_kept:])
+            del seq.block_table[eviction.num_blocks_kept:]
         done = []
         for seq in batch.seqs:
             token = sampled.get(seq.seq_id)

@@ -18,6 +18,16 @@ class PromptLogprob:
     top_logprob: float
 
 
+@dataclass
+class HeadPages:
+    """The pages of a sequence whose heads hold different numbers of pairs (an uneven method,
+    after its first eviction); before it, and for every other method, each head's pages are
+    those of the sequence's blocks (KVCache.pages)."""
+    tables: torch.Tensor   # [L, Hkv, W] int32: each head's pages, with room for what it reads until the next eviction
+    lens: torch.Tensor     # [L, Hkv] int32: pairs each head held right after the last eviction
+    slots: int             # num_kv_slots then: every head has taken num_kv_slots - slots pairs since
+
+
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -42,6 +52,7 @@ class Sequence:
     kept_positions: torch.Tensor | None = None                  # when asked for, at the end
     num_cached_tokens: int = 0         # prompt tokens taken from the prefix cache at its last admission
     prefix_serials: list[int] = field(default_factory=list)    # prefix-cache entries of its full blocks
+    head_pages: HeadPages | None = None                          # an uneven method's own page tables
 
     @property
     def token_ids(self) -> list[int]:

@@ -11,22 +11,25 @@ from test_attention_triton import make_cache, mixed_chunks, mixed_squares, scatt
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-def run_both(chunks, dtype, G, head_dim=64, block_size=16, num_kv_heads=2, scores=True):
+def run_both(chunks, dtype, G, head_dim=64, block_size=16, num_kv_heads=2, scores=True, even=False):
+    """even: every head of a sequence holds the same slots (uniform methods); else ragged (uneven ones)."""
     torch.manual_seed(0)
-    q, cu_seqlens_q, context_lens = varlen_batch(chunks, num_kv_heads, G, head_dim, dtype, "cpu")   # ragged heads
-    width = -(-int(context_lens.max()) // block_size) + 2
-    num_pages = len(chunks) * num_kv_heads * width
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, num_kv_heads, G, head_dim, dtype, "cpu")
+    if even:
+        context_lens = context_lens[:, :1].repeat(1, num_kv_heads)
+    width = int(context_lens.max()) // block_size + 2
+    num_pages = context_lens.numel() * width
     k_cache, v_cache = make_cache(num_pages, block_size, head_dim, dtype, "cpu")
     tables = scattered_tables(context_lens, block_size, num_pages, width)
     scale = head_dim ** -0.5
-    square = mixed_squares(len(chunks), "cpu")
+    squares = mixed_squares(len(chunks), "cpu")
     initial = torch.rand(num_pages, block_size)
     ref_scores, cpu_scores = initial.clone(), initial.clone()
     ref, lse = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale, return_lse=True)
     accumulate_key_scores_ref(q, k_cache, ref_scores, tables, cu_seqlens_q, context_lens, lse, scale,
-                              square_scores=square)
+                              square_scores=squares)
     out = paged_attention_cpu(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
-                              score_cache=cpu_scores if scores else None, square_scores=square)
+                              score_cache=cpu_scores if scores else None, square_scores=squares)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     if scores:
@@ -35,25 +38,28 @@ def run_both(chunks, dtype, G, head_dim=64, block_size=16, num_kv_heads=2, score
         assert torch.equal(cpu_scores, initial)
 
 
+@pytest.mark.parametrize("even", [True, False])
 @pytest.mark.parametrize("scores", [False, True])
 @pytest.mark.parametrize("dtype,G,block_size", [(torch.float32, 1, 16), (torch.float32, 3, 16),
                                                 (torch.float32, 4, 32), (torch.bfloat16, 3, 16)])
-def test_mixed_batch(dtype, G, block_size, scores):
+def test_mixed_batch(dtype, G, block_size, scores, even):
     """Fresh and chunked prefills around decode rows of ragged lengths."""
-    run_both(mixed_chunks(block_size), dtype, G, block_size=block_size, scores=scores)
+    run_both(mixed_chunks(block_size), dtype, G, block_size=block_size, scores=scores, even=even)
 
 
+@pytest.mark.parametrize("even", [True, False])
 @pytest.mark.parametrize("scores", [False, True])
 @pytest.mark.parametrize("lengths", [[40, 40, 40], [1, 15, 16, 17, 70]])
-def test_decode_step(lengths, scores):
+def test_decode_step(lengths, scores, even):
     """A pure decode step, contexts equal (no mask) and ragged."""
-    run_both([(n - 1, 1) for n in lengths], torch.float32, 3, scores=scores)
+    run_both([(n - 1, 1) for n in lengths], torch.float32, 3, scores=scores, even=even)
 
 
+@pytest.mark.parametrize("even", [True, False])
 @pytest.mark.parametrize("scores", [False, True])
-def test_long_chunk_after_context(scores):
+def test_long_chunk_after_context(scores, even):
     """A chunk longer than a score tile, after earlier context: the offset causal mask."""
-    run_both([(300, 600)], torch.float32, 3, scores=scores)
+    run_both([(300, 600)], torch.float32, 3, scores=scores, even=even)
 
 
 def test_a_new_step_gets_a_new_plan():

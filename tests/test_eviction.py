@@ -44,7 +44,7 @@ def llm(tiny_dir):
     (dict(kv_method="snapkv", kv_budget=32, kv_window=40), "kv_window must be an integer in \\[1, kv_budget = 32\\], got 40"),
     (dict(kv_method="snapkv", kv_pool=4), "kv_pool must be an odd integer >= 1 \\(a centred kernel\\), got 4"),
     (dict(kv_pool=0), "kv_pool must be None or an integer >= 1, got 0"),
-    (dict(kv_method="h2o", kv_window=8), "kv_window is a setting of snapkv only; it must be None for h2o, got 8"),
+    (dict(kv_method="h2o", kv_window=8), "kv_window is a setting of snapkv and kvcompress only; it must be None for h2o, got 8"),
     (dict(kv_method="snapkv", kv_budget=32, kv_window=20, kv_schedule="prefill"),
      "kv_sinks \\+ kv_recent = 0 \\+ 20 leaves snapkv nothing to evict under the prefill schedule"),
     (dict(kv_schedule="sometimes"), "unknown kv_schedule 'sometimes'; use one of prefill, decode, once or None"),
@@ -59,7 +59,7 @@ def test_bad_eviction_settings_are_refused(llm, kwargs, message):
 
 
 def test_unknown_method_name(tiny_dir):
-    message = "unknown kv_method 'bogus'; use one of full, batchmax, h2o, tova, snapkv, streamingllm, knorm, decode_only, ed"
+    message = "unknown kv_method 'bogus'; use one of full, batchmax, h2o, tova, snapkv, streamingllm, knorm, kvcompress, decode_only, ed"
     with pytest.raises(ValueError, match=message):
         SamplingParams(kv_method="bogus")
     with pytest.raises(ValueError, match=message):   # a bad engine default fails at construction

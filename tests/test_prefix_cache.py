@@ -202,11 +202,13 @@ def test_evicting_requests_share_soundly(tiny_dir, kv_cache_dtype):
     # (method, prompt tokens after the prefix, tokens it may take from the cache): the full cache
     # all; a ranking that needs no scores what it reads before its first eviction (streamingllm
     # under prefill: |kv| = 32; knorm, ed and tova: the prompt, tova's window being its last
-    # query); snapkv only what comes before its window (at 70 - 16 = 54: 3 blocks); batchmax, h2o none
+    # query); snapkv only what comes before its window (at 70 - 16 = 54: 3 blocks), kvcompress too
+    # (under prefill at 32 - 8 = 24: 1 block); batchmax, h2o none
     cases = [(dict(), 10, 64), (dict(kv_method="streamingllm", kv_budget=32), 13, 32),
              (dict(kv_method="knorm", kv_budget=32), 16, 64), (dict(kv_method="ed", kv_budget=4), 19, 64),
              (dict(kv_method="tova", kv_budget=64), 22, 64),
              (dict(kv_method="snapkv", kv_budget=32, kv_window=16), 6, 48),
+             (dict(kv_method="kvcompress", kv_budget=32), 9, 16),
              (dict(kv_method="batchmax", kv_budget=64), 28, 0), (dict(kv_method="h2o", kv_budget=64), 31, 0)]
     prompts = [prefix + tokens(n, seed=70 + n) for _, n, _ in cases]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, evict_every=16,
@@ -218,12 +220,13 @@ def test_evicting_requests_share_soundly(tiny_dir, kv_cache_dtype):
         cache = llm.runner.kv_cache
         keys = dict(llm.blocks.cache.keys) if caching else {}
         shared = sorted(keys)
-        before = [t[:, shared].clone() for t in cache.per_slot]
+        pages = cache.pages(torch.tensor(shared, dtype=torch.long)).flatten().long()
+        before = [t[pages].clone() for t in cache.per_slot]
         results[caching] = llm.generate(prompts, params)
         if caching:
             assert len(shared) == 4 and all(llm.blocks.cache.keys[b] == keys[b] for b in shared)
             for t, was in zip(cache.per_slot, before):
-                assert torch.equal(t[:, shared], was)
+                assert torch.equal(t[pages], was)
     for off, on in zip(results[False], results[True]):
         assert on.token_ids == off.token_ids
         assert (on.kept_positions is None) == (off.kept_positions is None)

@@ -99,7 +99,10 @@ def test_a_mixed_step_puts_its_decodes_first(tmp_path):
     step = llm.runner.prepare(ScheduledBatch(seqs=[chunk, decode], num_new_tokens=[40, 1]))
     assert step.meta.num_decodes == 1
     assert step.meta.cu_seqlens_q.tolist() == [0, 1, 41]
-    assert step.meta.context_lens.tolist() == [4, 40]
-    assert step.meta.block_tables.tolist() == [[3, 0, 0], [0, 1, 2]]
+    L, H = llm.runner.kv_cache.num_layers, llm.runner.kv_cache.num_kv_heads
+    assert step.meta.context_lens.shape == (L, 2, H)
+    assert (step.meta.context_lens[:, 0] == 4).all() and (step.meta.context_lens[:, 1] == 40).all()
+    blocks = step.meta.block_tables.div(H, rounding_mode="floor") % 32   # each head's pages are its blocks'
+    assert (blocks[:, 0, :, :1] == 3).all() and (blocks[:, 1] == torch.tensor([0, 1, 2])).all()
     assert step.input_ids[0].item() == 9 and step.positions[:2].tolist() == [3, 0]
     assert step.sample_rows == [0, 40] and step.sampled_seqs == [decode, chunk]

@@ -5,7 +5,9 @@ many pairs to drop before a sequence's next chunk and how long that chunk may
 be; the runner asks its ranking (nanokv/eviction/rankings.py) which pairs each
 (layer, KV head) keeps, then compacts the survivors (kernels/compact.py).
 Kernels never know which method runs. Common to every ranking: the first
-`sinks` positions and the `recent` most recent pairs are never evicted.
+`sinks` positions and the `recent` most recent pairs are never evicted. An
+uneven ranking (kvcompress) lets heads keep different numbers of pairs: the
+runner takes whole pages chosen across all heads and layers (pages.py).
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanokv.eviction.rankings import RANKINGS, AverageAttention, HeldPairs, ObservationWindow, Ranking, Recency
+from nanokv.eviction.rankings import (RANKINGS, AverageAttention, HeldPairs, ObservationWindow, Ranking, Recency,
+                                      SquaredAttention)
 from nanokv.eviction.schedules import SCHEDULES, ExtremeDecoding, Schedule
 
 if TYPE_CHECKING:
@@ -35,6 +38,8 @@ class KVMethod:
         self.schedule, self.ranking = schedule or Schedule(), ranking
         self.sinks, self.recent, self.name = sinks, recent, name
         self.needs_scores = ranking is not None and ranking.needs_scores
+        self.squares_scores = ranking is not None and ranking.squares_scores
+        self.uneven = ranking is not None and ranking.uneven
         # It never evicts, so it never writes into its blocks after filling them: it may share
         # them with other sequences through the prefix cache (others take a private copy).
         self.shares_blocks = ranking is None
@@ -89,22 +94,30 @@ class KVMethod:
         end = self.schedule.next_eviction(seq)
         return seq.num_tokens if end is None else max(end - (self.ranking.window or 0), 0)
 
+    def floor_pages(self, block_size: int) -> int:
+        """The fewest pages a head of an uneven method keeps: its protected pairs', at least one."""
+        return max(-(-(self.sinks + self.recent) // block_size), 1)
+
     def keep_priority(self, held: HeldPairs) -> torch.Tensor:
         """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf."""
         if self.ranking is None:
             raise NotImplementedError(f"{self.name} never evicts")
         priority = self.ranking.keep_priority(held)   # not cast: float64 key norms keep their precision
-        protected = held.positions < self.sinks
         n = held.positions.shape[-1]
-        protected |= torch.arange(n, device=priority.device) >= n - self.recent
+        lens = n if held.lens is None else held.lens[..., None]
+        slot = torch.arange(n, device=priority.device)
+        protected = (held.positions < self.sinks) | ((slot >= lens - self.recent) & (slot < lens))
         return priority.masked_fill(protected, float("inf"))
 
 
-def _snapkv(budget: int, window: int | None, pool: int | None) -> ObservationWindow:
-    window = 32 if window is None else window
-    pool = 7 if pool is None else pool
+def _windowed(name: str, budget: int, window: int | None, pool: int | None) -> Ranking:
+    """SnapKV's or KV-Compress's ranking with its observation window (and SnapKV's pooling)."""
+    window = (32 if name == "snapkv" else 8) if window is None else window
     if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= budget:
         raise ValueError(f"kv_window must be an integer in [1, kv_budget = {budget}], got {window!r}")
+    if name == "kvcompress":
+        return SquaredAttention(window)
+    pool = 7 if pool is None else pool
     if not isinstance(pool, int) or isinstance(pool, bool) or pool < 1 or pool % 2 == 0:
         raise ValueError(f"kv_pool must be an odd integer >= 1 (a centred kernel), got {pool!r}")
     return ObservationWindow(window, pool)
@@ -130,10 +143,10 @@ def make_method(name: str | None, schedule: str | None, budget: int | None, evic
         raise ValueError(f"unknown kv_method {name!r}; use one of {', '.join(METHODS)}")
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"unknown kv_schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if name != "snapkv":
-        for field, value in (("kv_window", window), ("kv_pool", pool)):
-            if value is not None:
-                raise ValueError(f"{field} is a setting of snapkv only; it must be None for {name}, got {value!r}")
+    for field, value, owners in (("kv_window", window, ("snapkv", "kvcompress")), ("kv_pool", pool, ("snapkv",))):
+        if value is not None and name not in owners:
+            raise ValueError(f"{field} is a setting of {' and '.join(owners)} only; it must be None for {name}, "
+                             f"got {value!r}")
     if name in ("full", "ed"):
         fixed = "never evicts" if name == "full" else "has its own schedule (Algorithm 2)"
         for field, value in (("kv_schedule", schedule), ("kv_sinks", sinks), ("kv_recent", recent)):
@@ -154,7 +167,7 @@ def make_method(name: str | None, schedule: str | None, budget: int | None, evic
                          f"None or 'decode', got {schedule!r}")
         ranking, schedule = AverageAttention(), "decode"
     else:
-        ranking = _snapkv(budget, window, pool) if name == "snapkv" else RANKINGS[name]()
+        ranking = _windowed(name, budget, window, pool) if name in ("snapkv", "kvcompress") else RANKINGS[name]()
         schedule = schedule or ranking.default_schedule
     if schedule == "once":
         if budget < 1:
@@ -172,12 +185,28 @@ def make_method(name: str | None, schedule: str | None, budget: int | None, evic
     for field, value in (("kv_sinks", sinks), ("kv_recent", recent)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{field} must be an integer >= 0, got {value!r}")
-    if name == "snapkv":
+    if name in ("snapkv", "kvcompress"):
         recent = max(recent, ranking.window)   # the window's own pairs are kept
+    if ranking.uneven:
+        _check_uneven(schedule, budget, evict_every, block_size, sinks + recent)
     if sinks + recent > room:
         raise ValueError(f"kv_sinks + kv_recent = {sinks} + {recent} leaves {name} nothing to evict under the "
                      f"{schedule} schedule: it must be {limit}")
     return KVMethod(SCHEDULES[schedule](budget, evict_every), ranking, sinks, recent, name)
+
+
+def _check_uneven(schedule: str, budget: int, evict_every: int, block_size: int, protected: int) -> None:
+    """KV-Compress evicts whole pages: each eviction leaves a whole number of pages per head on
+    average, and each head keeps its protected pairs' pages (at least one)."""
+    if budget % block_size or (schedule != "once" and evict_every % block_size):
+        raise ValueError(f"kv_budget{'' if schedule == 'once' else ' and evict_every'} for kvcompress must be "
+                         f"multiples of the block size {block_size} (it evicts whole pages), got {budget} "
+                         f"and {evict_every}")
+    after = budget if schedule == "once" else budget - evict_every
+    floor = max(-(-protected // block_size), 1) * block_size
+    if floor > after:
+        raise ValueError(f"kv_sinks + kv_recent = {protected} fill {floor} slots of whole pages per head, more than "
+                         f"kvcompress keeps after an eviction ({after})")
 
 
 SPEC_KEYS = {"sinks": "kv_sinks", "recent": "kv_recent", "window": "kv_window", "pool": "kv_pool",

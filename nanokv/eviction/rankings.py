@@ -17,17 +17,21 @@ import torch
 
 @dataclass
 class HeldPairs:
-    """The pairs of S sequences that evict together, each [S, L, H, n] in slot (= position) order."""
+    """The pairs of S sequences that evict together, each [S, L, H, n] in slot (= position) order.
+    Head (l, h) holds its first lens[..., l, h] slots; n of them when lens is None."""
     positions: torch.Tensor            # original positions (int32)
     scores: torch.Tensor               # attention probabilities accumulated (windowed: in the window), fp32
     current: torch.Tensor              # [S, 1, 1, 1]: position of each sequence's last query processed
     keys: Callable[[], torch.Tensor]   # -> [S, L, H, n, D]: read only for a ranking that asks
+    lens: torch.Tensor | None = None   # [S, L, H]: pairs per head, when heads hold different numbers
 
 
 class Ranking:
     name = ""
     needs_scores = False           # attention must accumulate per-slot scores for it
     window: int | None = None      # scores count only the last `window` queries before an eviction
+    squares_scores = False         # scores add squared probabilities (KV-Compress's L2 metric)
+    uneven = False                 # heads keep different numbers of pairs: whole pages go (KV-Compress)
     default_schedule = "prefill"
     default_sinks = 0
 
@@ -110,5 +114,22 @@ class ObservationWindow(Ranking):
         return pooled.view_as(scores)
 
 
+class SquaredAttention(Ranking):
+    """KV-Compress (KVC-w): squared probabilities summed over the last `window` queries, and
+    every (layer, head) keeps as many pairs as its scores earn: an eviction frees whole pages
+    chosen across all heads and layers (nanokv/eviction/pages.py). The window's own pairs are
+    kept (make_method protects them)."""
+    name = "kvcompress"
+    needs_scores = True
+    squares_scores = True
+    uneven = True
+
+    def __init__(self, window: int = 8):
+        self.window = window
+
+    def keep_priority(self, held):
+        return held.scores
+
+
 RANKINGS = {r.name: r for r in (AverageAttention, AccumulatedAttention, LastQuery, ObservationWindow,
-                                Recency, KeyNorm)}
+                                Recency, KeyNorm, SquaredAttention)}

@@ -1,0 +1,258 @@
+"""KV-Compress (issue 10) against a dense float64 oracle written from the paper.
+
+The oracle keeps one plain list of pairs per (layer, KV head), of any length, and
+implements Section 4.2.2's block eviction literally: per head, the pairs sorted by
+metric with the empty slots of its last page first; evicting e pages costs the
+(e * bs)-th lowest; pages go one at a time to the head whose next page is cheapest.
+The metric is Section 4.3's squared attention, summed over the query group and the
+last `kv_window` queries before an eviction. No pages, tables or kernels: the
+engine must keep exactly the same positions per head and the same greedy tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nanokv.eviction.pages import plan_page_eviction, repage
+from test_batchmax_oracle import BLOCK, differences, engine, gqa, model  # noqa: F401 (fixtures)
+from test_policies_oracle import prompt
+
+
+# ----- the block-eviction schedule on its own ---------------------------------------------
+
+def greedy_page_eviction(priority, lens, num_pages, bs, floor):
+    """The schedule one page at a time: [L, H] pages each head gives up and, per head, the
+    slots it keeps (ascending)."""
+    L, H, _ = priority.shape
+    order, evicted = {}, {}
+    for l in range(L):
+        for h in range(H):
+            n, pages = int(lens[l, h]), -(-int(lens[l, h]) // bs)
+            real = sorted(range(n), key=lambda j: (float(priority[l, h, j]), j))
+            order[l, h] = [None] * (pages * bs - n) + real     # empty slots first
+            evicted[l, h] = 0
+    for _ in range(num_pages):
+        def cost(head):
+            e = evicted[head] + 1
+            if e > len(order[head]) // bs - floor:
+                return math.inf
+            slot = order[head][e * bs - 1]
+            return -math.inf if slot is None else float(priority[head][slot])
+        head = min(order, key=lambda hd: (cost(hd), hd))   # ties: the lower (layer, head)
+        assert cost(head) < math.inf
+        evicted[head] += 1
+    kept = {hd: sorted(j for j in order[hd][evicted[hd] * bs:] if j is not None) for hd in order}
+    return torch.tensor([[evicted[l, h] for h in range(H)] for l in range(L)]), kept
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_page_eviction_takes_the_cheapest_pages_across_heads(seed):
+    g = torch.Generator().manual_seed(seed)
+    L, H, bs, width = 3, 2, 4, 6
+    lens = torch.randint(bs + 1, width * bs + 1, (L, H), generator=g)
+    priority = torch.randint(0, 6, (L, H, width * bs), generator=g).double()   # many ties
+    priority[0, 0, :3] = math.inf                                              # protected pairs
+    floor = 1 + seed % 2
+    room = int((-(-lens // bs) - floor).clamp(min=0).sum())
+    num_pages = int(torch.randint(1, room + 1, (), generator=g))
+    keep, new_lens, evicted = plan_page_eviction(priority, lens, num_pages, bs, floor)
+    expected_evicted, expected_kept = greedy_page_eviction(priority, lens, num_pages, bs, floor)
+    assert torch.equal(evicted, expected_evicted)
+    for (l, h), slots in expected_kept.items():
+        assert new_lens[l, h] == len(slots) and keep[l, h, :len(slots)].tolist() == slots
+        assert new_lens[l, h] % bs == 0 or evicted[l, h] == 0   # a head that gave pages keeps whole ones
+
+
+def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out():
+    L, H, W = 2, 3, 4
+    tables = torch.randperm(40, dtype=torch.int32)[:L * H * W].view(L, H, W)   # pages of 40, some unused
+    kept = torch.tensor([[4, 1, 2], [0, 3, 1]])
+    staying = torch.cat([tables[kept > 1][:, 0], torch.tensor([t for t in range(40) if t not in tables],
+                                                               dtype=torch.int32)])[:17]
+    new, src, dst = repage(tables, kept, staying)
+    used = {(l, h): tables[l, h, :kept[l, h]].tolist() for l in range(L) for h in range(H)}
+    moved = dict(zip(src.tolist(), dst.tolist()))
+    assert set(moved) == {p for pages in used.values() for p in pages if p not in staying}
+    share = (len(staying) - int(kept.sum())) // (L * H)
+    everything = []
+    for (l, h), pages in used.items():
+        row = new[l, h, :kept[l, h] + share].tolist()
+        assert row[:kept[l, h]] == [moved.get(p, p) for p in pages]   # in order, moved where they had to
+        everything += row
+    assert len(set(everything)) == len(everything) and set(everything) <= set(staying.tolist())
+
+
+# ----- the model oracle -------------------------------------------------------------------
+
+class HeadKV:
+    """One (layer, KV head)'s pairs, in position order."""
+
+    def __init__(self, head_dim: int):
+        self.k = torch.empty(0, head_dim, dtype=torch.float64)
+        self.v = torch.empty(0, head_dim, dtype=torch.float64)
+        self.pos = torch.empty(0, dtype=torch.long)
+        self.score = torch.empty(0, dtype=torch.float64)
+
+    def append(self, k, v, pos):
+        self.k, self.v = torch.cat([self.k, k]), torch.cat([self.v, v])
+        self.pos = torch.cat([self.pos, pos])
+        self.score = torch.cat([self.score, torch.zeros(len(pos), dtype=torch.float64)])
+
+    def keep(self, rows: list[int]):
+        self.k, self.v, self.pos, self.score = self.k[rows], self.v[rows], self.pos[rows], self.score[rows]
+
+
+@torch.no_grad()
+def oracle_forward(oracle, cache, ids, positions, counted):
+    """Oracle.forward with a list of pairs per head, adding squared probabilities of the
+    queries where counted [T] is true."""
+    pos = torch.tensor(positions)
+    T, H, Hkv, D = len(ids), oracle.num_heads, oracle.num_kv_heads, oracle.head_dim
+    group = H // Hkv
+    x = oracle.model.embed_tokens(torch.tensor(ids))
+    for layer, heads in zip(oracle.model.layers, cache):
+        attn = layer.self_attn
+        h = oracle.rms_norm(x, layer.input_layernorm)
+        q = oracle.rope(attn.q_proj(h).view(T, H, D).transpose(0, 1), pos)
+        k = oracle.rope(attn.k_proj(h).view(T, Hkv, D).transpose(0, 1), pos)
+        v = attn.v_proj(h).view(T, Hkv, D).transpose(0, 1)
+        out = torch.empty(T, H, D, dtype=torch.float64)
+        for kv_head, kv in enumerate(heads):
+            kv.append(k[kv_head], v[kv_head], pos)
+            for qh in range(kv_head * group, (kv_head + 1) * group):
+                logits = (q[qh] @ kv.k.T / math.sqrt(D)).masked_fill(kv.pos[None] > pos[:, None], -math.inf)
+                probs = logits.softmax(dim=-1)
+                kv.score += (probs ** 2 * counted[:, None]).sum(dim=0)
+                out[:, qh] = probs @ kv.v
+        x = x + attn.o_proj(out.reshape(T, H * D))
+        x = x + layer.mlp(oracle.rms_norm(x, layer.post_attention_layernorm))
+    return oracle.lm_head(oracle.rms_norm(x, oracle.model.norm))
+
+
+def eviction_points(schedule, prompt_len, budget, p, end):
+    """{position before which the cache evicts: the pairs per head it keeps on average}."""
+    if schedule == "once":
+        return {prompt_len: budget} if prompt_len > budget else {}
+    first = prompt_len if schedule == "decode" and prompt_len > budget - p else budget
+    return {t: budget - p for t in range(first, end, p)}
+
+
+def kvcompress_oracle(oracle, ids, budget, p, max_tokens, schedule="prefill", bs=BLOCK, window=8, sinks=0):
+    """Greedy tokens and kept positions [L, H, n] (-1 padded) of kvcompress: before each
+    eviction point the heads give up whole pages, as many as leave them the point's pairs
+    per head on average; under prefill the prompt is read |kv| tokens, then p at a time."""
+    L, Hkv = len(oracle.model.layers), oracle.num_kv_heads
+    cache = [[HeadKV(oracle.head_dim) for _ in range(Hkv)] for _ in range(L)]
+    evictions = eviction_points(schedule, len(ids), budget, p, len(ids) + max_tokens - 1)
+    recent = window
+
+    def feed(tokens, start):
+        t = torch.arange(start, start + len(tokens))
+        counted = torch.tensor([any(e - window <= int(i) < e for e in evictions) for i in t])
+        return oracle_forward(oracle, cache, tokens, t.tolist(), counted.double())
+
+    def evict(after):
+        lens = torch.tensor([[len(kv.pos) for kv in heads] for heads in cache])
+        width = -(-int(lens.max()) // bs) * bs
+        priority = torch.full((L, Hkv, width), math.inf, dtype=torch.float64)
+        for l, heads in enumerate(cache):
+            for h, kv in enumerate(heads):
+                n = len(kv.pos)
+                protected = (kv.pos < sinks) | (torch.arange(n) >= n - recent)
+                priority[l, h, :n] = kv.score.masked_fill(protected, math.inf)
+        pages = int((-(-lens // bs)).sum()) - after * L * Hkv // bs
+        _, kept = greedy_page_eviction(priority, lens, pages, bs, -(-recent // bs))
+        for (l, h), rows in kept.items():
+            cache[l][h].keep(rows)
+            cache[l][h].score.zero_()
+
+    chunk = budget if schedule == "prefill" else len(ids)
+    logits, position = feed(ids[:chunk], 0), min(chunk, len(ids))
+    while position < len(ids):
+        evict(evictions[position])
+        logits = feed(ids[position:position + p], position)
+        position = min(position + p, len(ids))
+    tokens = [int(logits[-1].argmax())]
+    for position in range(len(ids), len(ids) + max_tokens - 1):
+        if position in evictions:
+            evict(evictions[position])
+        tokens.append(int(feed(tokens[-1:], position)[-1].argmax()))
+        if schedule != "once":
+            assert sum(len(kv.pos) for heads in cache for kv in heads) <= budget * L * Hkv
+    width = max(len(kv.pos) for heads in cache for kv in heads)
+    kept = torch.full((L, Hkv, width), -1, dtype=torch.long)
+    for l, heads in enumerate(cache):
+        for h, kv in enumerate(heads):
+            kept[l, h, :len(kv.pos)] = kv.pos
+    return tokens, kept
+
+
+def params(budget, p, max_tokens, schedule="prefill"):
+    from nanokv import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, kv_method="kvcompress",
+                          kv_schedule=schedule, kv_budget=budget, evict_every=p, return_kept_positions=True)
+
+
+# (schedule, budget, p, prompt, tokens) for pages of 16 slots, then of 4, where heads have more pages to trade
+CASES = {16: [("prefill", 32, 16, 70, 12), ("prefill", 32, 16, 33, 20), ("prefill", 48, 16, 100, 8),
+              ("prefill", 64, 32, 90, 6), ("decode", 32, 16, 70, 12), ("decode", 48, 16, 40, 30),
+              ("once", 32, 16, 70, 12), ("once", 48, 16, 100, 8)],
+         4: [("prefill", 32, 8, 80, 20), ("prefill", 40, 8, 70, 9), ("decode", 32, 8, 75, 15),
+             ("once", 24, 8, 60, 10)]}
+
+
+@pytest.mark.parametrize("bs", CASES)
+def test_kvcompress_keeps_what_the_oracle_keeps(model, bs):
+    """Every schedule, all cases of a block size in one batch; the heads keep different numbers
+    of pairs, and the sequence never holds more than its budget (under prefill and decode)."""
+    path, _, oracle = model
+    llm = engine(path, block_size=bs)
+    cases = CASES[bs]
+    prompts = [prompt(s, seed=0) for _, _, _, s, _ in cases]
+    outs = llm.generate(prompts, [params(b, p, n, schedule) for schedule, b, p, _, n in cases])
+    problems = []
+    for (schedule, b, p, s, n), ids, out in zip(cases, prompts, outs):
+        tokens, kept = kvcompress_oracle(oracle, ids, b, p, n, schedule=schedule, bs=bs)
+        problems += differences(f"{schedule} budget={b} p={p} prompt={s}", out, tokens, kept)
+    assert not problems, "\n".join(problems)
+    held = torch.stack([(out.kept_positions >= 0).sum(dim=-1) for out in outs])
+    assert bs == 16 or (held.amin(dim=(1, 2)) < held.amax(dim=(1, 2))).any()   # heads kept different numbers
+    assert llm.runner.kv_cache.num_blocks == llm.scheduler.blocks.num_free   # every block went back
+
+
+def test_kvcompress_beside_other_methods_and_preempted(gqa):
+    """One batch mixes kvcompress with batchmax and the full cache, in a pool so small that
+    requests are preempted and recomputed: each still matches its run alone."""
+    from nanokv import SamplingParams
+
+    path, _, oracle = gqa
+    ids = [prompt(50, seed=10), prompt(60, seed=11), prompt(70, seed=12)]
+    others = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method="batchmax", kv_budget=32,
+                             evict_every=16)]
+    alone = [engine(path).generate([i], [p])[0].token_ids for i, p in zip(ids, others)]
+    llm = engine(path, num_kv_blocks=8, max_model_len=128)
+    outs = llm.generate(ids, [*others, params(32, 16, 20)])   # the full cache grows: the last admitted goes
+    assert llm.scheduler.num_preemptions > 0
+    tokens, kept = kvcompress_oracle(oracle, ids[2], 32, 16, 20)
+    assert not differences("kvcompress", outs[2], tokens, kept)
+    assert [o.token_ids for o in outs[:2]] == alone
+    assert llm.scheduler.blocks.num_free == 8
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(kv_schedule="once", kv_budget=40), "multiples of the block size"),
+    (dict(evict_every=8), "multiples of the block size"),
+    (dict(kv_recent=20), "whole pages"),
+    (dict(kv_pool=3), "kv_pool is a setting of snapkv only"),
+])
+def test_kvcompress_settings_are_checked(bad, message):
+    from nanokv.eviction import make_method
+
+    settings = dict(kv_schedule=None, kv_budget=32, evict_every=16, kv_recent=None, kv_pool=None) | bad
+    with pytest.raises(ValueError, match=message):
+        make_method("kvcompress", settings["kv_schedule"], settings["kv_budget"], settings["evict_every"], BLOCK,
+                    recent=settings["kv_recent"], pool=settings["kv_pool"])
