@@ -78,7 +78,7 @@ def decode_workspace_for(max_num_seqs: int, num_heads: int, num_kv_heads: int, h
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *,
                     max_query_len: int, max_context_len: int, num_decodes: int = 0,
                     score_cache=None, score_from=None, logits=None, workspace=None, cpu_plan=None,
-                    kv_scales=None, square_scores=None):
+                    kv_scales=None, square_scores=None, score_skip=None, positions=None, pos_cache=None):
     """Attention of q [T, Hq, D] over one layer of the paged cache (semantics: kernels/attention.py).
 
     The cache is the pool of pages of every layer (layout: kernels/kv_store.py): k_cache,
@@ -89,7 +89,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     With score_cache, also add to it, for every key, the softmax probability each query
     gave it (its square for sequence b if square_scores [B] bool says so), summed over the
     query heads of its group: the eviction scores. score_from [B] int32, if given: only
-    sequence b's queries from index score_from[b] of its chunk count.
+    sequence b's queries from index score_from[b] of its chunk count. score_skip [B] int32,
+    if given: only the (query, key) pairs whose positions (the queries' positions [T], the
+    keys' in pos_cache [P, bs]) are at least score_skip[b] apart count (KVC-full).
     max_query_len and max_context_len are host-side upper bounds, so that no kernel
     needs a device sync to size its grid. The first num_decodes sequences have one
     query each (the runner orders them first): they go to flash-decoding, the rest
@@ -101,7 +103,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     if BACKEND == "cpu":
         return paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
                                    score_cache=score_cache, score_from=score_from, plan=cpu_plan,
-                                   kv_scales=kv_scales, square_scores=square_scores)
+                                   kv_scales=kv_scales, square_scores=square_scores, score_skip=score_skip,
+                                   positions=positions, pos_cache=pos_cache)
     want_lse = score_cache is not None
     if not TRITON:
         result = paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
@@ -109,19 +112,24 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
         if want_lse:
             out, lse = result
             accumulate_key_scores_ref(q, k_cache, score_cache, block_tables, cu_seqlens_q, context_lens,
-                                      lse, scale, score_from, kv_scales, square_scores)
+                                      lse, scale, score_from, kv_scales, square_scores, score_skip, positions,
+                                      pos_cache)
             return out
         return result
     out = torch.empty_like(q)
+
+    def part(per_seq, which: slice):   # the decodes' or the chunks' part of a per-sequence tensor, or None
+        return None if per_seq is None else per_seq[which]
     if num_decodes:
         splits = decode_num_splits(num_decodes, block_tables.shape[1], max_context_len)
         decodes = slice(None, num_decodes)
         paged_decode_attention_triton(q[decodes], k_cache, v_cache, block_tables[decodes],
                                       context_lens[decodes], scale, splits, score_cache=score_cache,
                                       logits=logits, workspace=workspace, out=out[decodes],
-                                      score_from=None if score_from is None else score_from[decodes],
-                                      kv_scales=kv_scales,
-                                      square_scores=None if square_scores is None else square_scores[decodes])
+                                      score_from=part(score_from, decodes), kv_scales=kv_scales,
+                                      square_scores=part(square_scores, decodes),
+                                      score_skip=part(score_skip, decodes), positions=part(positions, decodes),
+                                      pos_cache=pos_cache)
     if num_decodes == len(context_lens):
         return out
     # The chunks: their rows of q, out and lse are addressed through cu_seqlens_q.
@@ -131,10 +139,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
                                     max_query_len=max_query_len, out=out, kv_scales=kv_scales)
     if want_lse:
         accumulate_key_scores_triton(q, k_cache, score_cache, tables, cu_seqlens, lens, result[1], scale,
-                                     None if score_from is None else score_from[chunks],
-                                     max_query_len=max_query_len, max_context_len=max_context_len,
-                                     kv_scales=kv_scales,
-                                     square_scores=None if square_scores is None else square_scores[chunks])
+                                     part(score_from, chunks), max_query_len=max_query_len,
+                                     max_context_len=max_context_len, kv_scales=kv_scales,
+                                     square_scores=part(square_scores, chunks), score_skip=part(score_skip, chunks),
+                                     positions=positions, pos_cache=pos_cache)
     return out
 
 

@@ -163,8 +163,8 @@ def _chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def _attend_with_scores(q, k, v, visible, scale, counted, square):
     """q [S, Hkv, G, n, D], k/v [S, Hkv, C, D], visible [S or 1, Hkv or 1, n, C] -> out
     [S, Hkv, G, n, D] in q's dtype and the probabilities (squared where square [S] says)
-    summed over G and the counted queries (counted [S, n] bool, or None for all):
-    [S, Hkv, C], all computed in fp32."""
+    summed over G and the queries, of the counted pairs (counted [S, Hkv or 1, n, C or 1]
+    bool, or None for all): [S, Hkv, C], all computed in fp32."""
     logits = torch.matmul(q.float(), k.float().unsqueeze(2).transpose(-1, -2)) * scale   # [S, Hkv, G, n, C]
     logits.masked_fill_(~visible[:, :, None], float("-inf"))
     probs = logits.softmax(dim=-1)
@@ -172,26 +172,36 @@ def _attend_with_scores(q, k, v, visible, scale, counted, square):
     if square is not None:
         probs = torch.where(square[:, None, None, None, None], probs * probs, probs)
     if counted is not None:
-        probs = probs * counted[:, None, None, :, None]
+        probs = probs * counted[:, :, None]
     return out, probs.sum(dim=(2, 3))
 
 
-def _counted(score_from: torch.Tensor | None, seqs: torch.Tensor, first_query: int, n: int):
-    """[S, n] bool: which of queries first_query .. first_query + n - 1 of each sequence's chunk
-    add to the scores (those from its score_from on); None when all do."""
-    if score_from is None:
-        return None
-    return torch.arange(first_query, first_query + n, device=seqs.device)[None, :] >= score_from[seqs, None]
+def _counted(c: Chunk, first: int, n: int, score_from, score_skip, positions, pos_cache):
+    """[S, Hkv or 1, n, C or 1] bool: which (query, key) pairs of queries first .. first + n - 1
+    of each of c's sequences add to the scores: the queries from its score_from on and, with
+    score_skip, the pairs whose positions (the queries' in positions [T], the keys' in
+    pos_cache [P, bs]) are at least score_skip apart; None when all do."""
+    counted = None
+    if score_from is not None:
+        query = torch.arange(first, first + n, device=c.seqs.device)
+        counted = (query >= score_from[c.seqs, None])[:, None, :, None]
+    if score_skip is not None:
+        q_pos = positions[c.rows].view(len(c.seqs), -1)[:, first:first + n, None]          # [S, n, 1]
+        apart = q_pos[:, None] - pos_cache.view(-1)[c.pool_rows][:, :, None] >= score_skip[c.seqs, None, None, None]
+        counted = apart if counted is None else counted & apart
+    return counted
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                         scale: float, score_cache: torch.Tensor | None = None,
                         score_from: torch.Tensor | None = None, square_scores: torch.Tensor | None = None,
-                        plan: StepPlan | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                        plan: StepPlan | None = None, kv_scales: torch.Tensor | None = None,
+                        score_skip: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                        pos_cache: torch.Tensor | None = None) -> torch.Tensor:
     """paged_attention_ref's output for q [T, Hq, D] (one layer: block_tables [B, Hkv, nb],
     context_lens [B, Hkv]); with score_cache, also accumulate_key_scores_ref's update of it,
-    score_from and square_scores included (both up to float rounding). plan: this layer's
+    score_from, square_scores and score_skip included (up to float rounding). plan: this layer's
     of make_plan() (StepPlan.layer), shared by the layers (None: built here). kv_scales: a
     quantized cache's scales."""
     T, Hq, D = q.shape
@@ -210,7 +220,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             o = F.scaled_dot_product_attention(q_d, k, v, attn_mask=c.mask, scale=scale)
         else:
             o, probs_sum = _attend_with_scores(q_d[:, :, :, None], k, v, c.visible, scale,
-                                               _counted(score_from, c.seqs, 0, 1),
+                                               _counted(c, 0, 1, score_from, score_skip, positions, pos_cache),
                                                None if square_scores is None else square_scores[c.seqs])
             _add_scores(score_cache, c.pool_rows, probs_sum)
         if out is None:
@@ -228,8 +238,9 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         square = None if square_scores is None else square_scores[c.seqs]
         for at in range(0, n, QUERY_TILE):   # a tile of queries at a time bounds the probabilities' memory
             tile = slice(at, at + QUERY_TILE)
-            o, tile_sum = _attend_with_scores(q_g[:, :, :, tile], k, v, c.visible[:, :, tile], scale,
-                                              _counted(score_from, c.seqs, at, min(QUERY_TILE, n - at)), square)
+            counted = _counted(c, at, min(QUERY_TILE, n - at), score_from, score_skip, positions, pos_cache)
+            o, tile_sum = _attend_with_scores(q_g[:, :, :, tile], k, v, c.visible[:, :, tile], scale, counted,
+                                              square)
             out[first + at:first + at + o.shape[3]] = o[0].flatten(0, 1).transpose(0, 1)
             probs_sum += tile_sum
         if score_cache is not None:

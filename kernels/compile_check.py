@@ -158,9 +158,11 @@ def _qkv(tokens: int, hq: int, hkv: int, d: int, dtype) -> tuple[torch.Tensor, t
 
 
 def _attention_case(kind: str, shape: str, dtype: str, block_size: int, query_len: int = 1,
-                    scores: bool = False, cache: str | None = None, square: bool = False) -> Callable[[], None]:
+                    scores: bool = False, cache: str | None = None, square: bool = False,
+                    skip: bool = False) -> Callable[[], None]:
     """On the page layout (kernels/kv_store.py). cache: "int8" or "fp8" for a quantized cache,
-    None for one in the model's dtype; square: pass square_scores (the key scores' SQUARE variant)."""
+    None for one in the model's dtype; square: pass square_scores (the key scores' SQUARE variant);
+    skip: pass score_skip and the positions (KVC-full's SKIP variant)."""
     from kernels import decode_num_splits
     from kernels.attention_triton import paged_attention_triton
     from kernels.decode_attention import paged_decode_attention_triton
@@ -177,20 +179,22 @@ def _attention_case(kind: str, shape: str, dtype: str, block_size: int, query_le
         tables = torch.zeros(2, hkv, width, dtype=torch.int32)
         lens = torch.ones(2, hkv, dtype=torch.int32)
         squares = torch.zeros(2, dtype=torch.bool) if square else None
+        tokens = 2 * query_len   # decode: query_len 1
+        skipping = dict(score_skip=torch.zeros(2, dtype=torch.int32), positions=torch.zeros(tokens, dtype=torch.long),
+                        pos_cache=torch.zeros(num_pages, block_size, dtype=torch.int32)) if skip else {}
+        q = _qkv(tokens, hq, hkv, d, dt)[0]
         if kind == "decode":
-            q = _qkv(2, hq, hkv, d, dt)[0]
             paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.1, decode_num_splits(2, hkv, 4096),
                                           score_cache=score_cache if scores else None, kv_scales=kv_scales,
-                                          square_scores=squares)
+                                          square_scores=squares, **skipping)
             return
-        q = _qkv(2 * query_len, hq, hkv, d, dt)[0]
         cu_seqlens = torch.tensor([0, query_len, 2 * query_len], dtype=torch.int32)
         out, lse = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens, lens, 0.1, return_lse=True,
                                           max_query_len=query_len, kv_scales=kv_scales)
         if kind == "key_scores":
             accumulate_key_scores_triton(q, k_cache, score_cache, tables, cu_seqlens, lens, lse, 0.1,
                                          max_query_len=query_len, max_context_len=4096, kv_scales=kv_scales,
-                                         square_scores=squares)
+                                         square_scores=squares, **skipping)
     return run
 
 
@@ -248,13 +252,15 @@ def default_cases() -> dict[str, Callable[[], None]]:
         cases[f"key scores 512, {tag}"] = _attention_case("key_scores", shape, dtype, block_size, query_len=512)
     cases["prefill 2 (short tile), llama-3.1-8b bf16 block 16"] = _attention_case(
         "prefill", "llama-3.1-8b", "bf16", 16, query_len=2)
-    # Squared scores (KV-Compress): the SQUARE variants of the score kernels.
+    # Squared scores (KV-Compress): the SQUARE variants of the score kernels, and with SKIP (KVC-full).
     for shape, dtype in (("llama-3.1-8b", "bf16"), ("smollm2-135m", "fp32")):
         tag = f"{shape} {dtype} block 16"
-        cases[f"decode + squared scores, {tag}"] = _attention_case("decode", shape, dtype, 16, scores=True,
-                                                                   square=True)
-        cases[f"key scores 512 squared, {tag}"] = _attention_case("key_scores", shape, dtype, 16, query_len=512,
-                                                                  square=True)
+        for skip in (False, True):
+            name = f"squared{' + skip' if skip else ''}, {tag}"
+            cases[f"decode + {name}"] = _attention_case("decode", shape, dtype, 16, scores=True, square=True,
+                                                        skip=skip)
+            cases[f"key scores 512 {name}"] = _attention_case("key_scores", shape, dtype, 16, query_len=512,
+                                                              square=True, skip=skip)
     for shape, dtype in (("llama-3.1-8b", "bf16"), ("smollm2-135m", "bf16"), ("qwen3-0.6b", "fp16"),
                          ("smollm2-135m", "fp32")):
         cases[f"elementwise, {shape} {dtype}"] = _elementwise_case(shape, dtype)

@@ -144,12 +144,12 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
         part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, logits_ptr, score_ptr, table_ptr, context_lens_ptr,
-        score_from_ptr, square_ptr, num_splits,
+        score_from_ptr, square_ptr, skip_ptr, q_pos_ptr, pos_cache_ptr, num_splits,
         stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, stride_lb,
-        stride_lgp, stride_lgg, stride_sp, stride_table_b, stride_table_h, stride_cl,
+        stride_lgp, stride_lgg, stride_sp, stride_table_b, stride_table_h, stride_cl, stride_pcp,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-        RETURN_LSE: tl.constexpr, SCORES: tl.constexpr, SQUARE: tl.constexpr):
+        RETURN_LSE: tl.constexpr, SCORES: tl.constexpr, SQUARE: tl.constexpr, SKIP: tl.constexpr):
     """Combine the splits of one (sequence, KV head), and emit its key scores.
 
     Grid (B, Hkv, num_splits). Every program computes the final log-sum-exp of
@@ -160,7 +160,8 @@ def _decode_merge_kernel(
     probabilities, exp2(logit - lse), squares them if SQUARE and square_scores[seq],
     sums them over the group and adds them into the score cache, so the key scores
     are as parallel as the attention. A sequence's one query counts only if
-    score_from[seq] <= 0 (windowed rankings).
+    score_from[seq] <= 0 (windowed rankings), and with SKIP only for the keys at
+    least score_skip[seq] positions before it (KVC-full).
     """
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, end, split_len, context_len = _split_range(context_lens_ptr + seq * stride_cl + kv_head, split,
@@ -214,6 +215,9 @@ def _decode_merge_kernel(
             probs = tl.exp2(logits - tl.where(has_keys, lse, 0.0)[:, None])   # padding rows: 0
             if SQUARE:
                 probs = tl.where(tl.load(square_ptr + seq) != 0, probs * probs, probs)
+            if SKIP:
+                key_pos = tl.load(pos_cache_ptr + pages * stride_pcp + slots % BLOCK_SIZE, mask=slot_valid, other=0)
+                probs = tl.where((tl.load(q_pos_ptr + seq) - key_pos >= tl.load(skip_ptr + seq))[None, :], probs, 0.0)
             # No two programs of a call write one slot; relaxed (not ordered) atomics keep
             # concurrent calls on a shared page correct at no ordering cost.
             tl.atomic_add(score_ptr + pages * stride_sp + slots % BLOCK_SIZE, tl.sum(probs, 0), mask=slot_valid,
@@ -226,7 +230,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   score_cache: torch.Tensor | None = None, logits: torch.Tensor | None = None,
                                   workspace: DecodeWorkspace | None = None, out: torch.Tensor | None = None,
                                   score_from: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
-                                  square_scores: torch.Tensor | None = None):
+                                  square_scores: torch.Tensor | None = None, score_skip: torch.Tensor | None = None,
+                                  positions: torch.Tensor | None = None, pos_cache: torch.Tensor | None = None):
     """One query per sequence: q [B, Hq, D] -> out [B, Hq, D] (and lse [B, Hq]),
     as paged_attention_ref with cu_seqlens_q = arange(B + 1).
 
@@ -243,7 +248,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     whose square_scores [B] bool is set), summed over the G query heads of its
     KV head; logits (logits_scratch()) holds the raw scores meanwhile.
     score_from [B] int32: a sequence's query adds to the scores only where
-    score_from <= 0 (None: everywhere).
+    score_from <= 0 (None: everywhere). score_skip [B] int32: only to the keys
+    whose position (pos_cache [P, block_size]) is at least score_skip before the
+    query's (positions [B]); None: to all.
 
     workspace (decode_workspace()) and logits are allocated per call if None,
     which is fine eagerly; under CUDA graphs pass ones allocated before capture,
@@ -269,9 +276,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
             score_from = torch.zeros(B, dtype=torch.int32, device=q.device)
         assert score_from.dtype == torch.int32 and score_from.shape[0] >= B, score_from.shape
         assert square_scores is None or (square_scores.dtype == torch.bool and square_scores.shape[0] >= B)
+        assert score_skip is None or (score_skip.dtype == torch.int32 and score_skip.shape[0] >= B
+                                      and positions.shape[0] >= B and pos_cache.shape == score_cache.shape)
     else:
         logits = score_cache = score_from = part_lse   # stand-ins the kernels never touch with scores off
     square = square_scores is not None and scores
+    skip = score_skip is not None and scores
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device)
     if B == 0:
@@ -293,9 +303,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         num_warps=num_warps, **common)
     _decode_merge_kernel[(B, Hkv, num_splits)](
         part_out, part_lse, out, lse, logits, score_cache, block_tables, context_lens, score_from,
-        square_scores if square else score_from, num_splits,
-        *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), lse.stride(0),
-        *logits.stride()[:2], score_cache.stride(0), *table_strides,
-        G_PAD=triton.next_power_of_2(G), RETURN_LSE=return_lse, SCORES=scores, SQUARE=square,
+        square_scores if square else score_from, *((score_skip, positions, pos_cache) if skip else (score_from,) * 3),
+        num_splits, *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), lse.stride(0),
+        *logits.stride()[:2], score_cache.stride(0), *table_strides, pos_cache.stride(0) if skip else 0,
+        G_PAD=triton.next_power_of_2(G), RETURN_LSE=return_lse, SCORES=scores, SQUARE=square, SKIP=skip,
         num_warps=num_warps, **common)
     return (out, lse) if return_lse else out

@@ -15,7 +15,10 @@ a second pass over V.
 
 With square_scores [B] bool, a sequence whose flag is set adds p**2 instead of p
 (KV-Compress's squared-attention metric, Sec. 4.3), still summed over the
-queries and the query heads of the group.
+queries and the query heads of the group. With score_skip [B] int32, query
+position positions[t] adds nothing to a key whose position (pos_cache [P, bs])
+is fewer than score_skip[b] before it (KVC-full's excluded local queries, eq. 19):
+the pairs that count are those with q_pos - key_pos >= score_skip[b].
 
 Batch and cache layout are those of kernels/attention.py and kernels/kv_store.py:
 sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1], its KV head h
@@ -39,10 +42,12 @@ def accumulate_key_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, score_cach
                               block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                               context_lens: torch.Tensor, lse: torch.Tensor, scale: float,
                               score_from: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
-                              square_scores: torch.Tensor | None = None) -> None:
+                              square_scores: torch.Tensor | None = None, score_skip: torch.Tensor | None = None,
+                              positions: torch.Tensor | None = None, pos_cache: torch.Tensor | None = None) -> None:
     """Add to score_cache [P, bs] (fp32, in place) the attention probabilities (squared
     where square_scores[b]) that the queries q [T, Hq, D] gave each key of their context,
-    summed over the queries and over the G = Hq / Hkv query heads of each KV head.
+    summed over the queries and over the G = Hq / Hkv query heads of each KV head
+    (with score_skip: only the pairs at least score_skip[b] positions apart).
 
     lse [T, Hq] is each query's log softmax denominator, as returned by
     paged_attention_ref(..., return_lse=True). The oracle of
@@ -68,6 +73,9 @@ def accumulate_key_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, score_cach
         visible = slots <= query_slot[..., None]                        # [Hkv, n, L]; implies held
         if score_from is not None:
             visible &= (torch.arange(n, device=q.device) >= int(score_from[b]))[:, None]
+        if score_skip is not None:
+            apart = positions[start:end, None] - pos_cache[pages, offsets][:, None]   # [Hkv, n, L]
+            visible &= apart >= int(score_skip[b])
         # Masked, not multiplied: exp of an unseen key's logit may overflow to inf.
         probs = torch.exp(logits - lse_b[..., None]).masked_fill(~visible[:, None], 0.0)
         if square_scores is not None and bool(square_scores[b]):
@@ -78,12 +86,13 @@ def accumulate_key_scores_ref(q: torch.Tensor, k_cache: torch.Tensor, score_cach
 @triton.jit
 def _accumulate_key_scores_kernel(
         q_ptr, k_cache_ptr, scales_ptr, score_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-        lse_ptr, score_from_ptr, square_ptr, scale,
+        lse_ptr, score_from_ptr, square_ptr, skip_ptr, q_pos_ptr, pos_cache_ptr, scale,
         stride_q_t, stride_q_h, stride_k_page, stride_k_slot, stride_qs_page, stride_qs_slot, stride_score_page,
+        stride_pos_page,
         stride_table_seq, stride_table_head, stride_cl, stride_lse_t, stride_lse_h,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_IN_FP32: tl.constexpr,
-        QUANTIZED: tl.constexpr, SQUARE: tl.constexpr):
+        QUANTIZED: tl.constexpr, SQUARE: tl.constexpr, SKIP: tl.constexpr):
     """One program: BLOCK_N key slots of one KV head of one sequence, scored by
     all the sequence's queries, BLOCK_Q tokens x G heads (= up to BLOCK_M rows) at a time.
 
@@ -117,6 +126,9 @@ def _accumulate_key_scores_kernel(
     # A quantized key's scale multiplies its logits (kernels/attention_triton.py); ones otherwise.
     k_scale = _load_kv_scales(scales_ptr, pages, slots, slot_mask, BLOCK_SIZE,
                               stride_qs_page, stride_qs_slot, QUANTIZED)[0]
+    if SKIP:   # KVC-full: only pairs at least `skip` positions apart count
+        key_pos = tl.load(pos_cache_ptr + pages * stride_pos_page + offsets, mask=slot_mask, other=0)
+        skip = tl.load(skip_ptr + seq)
 
     # Row m of a query tile is token m // G, query head kv_head * G + m % G
     # (vLLM's GQA packing); rows past BLOCK_Q * G are padding when G does not divide BLOCK_M.
@@ -138,6 +150,9 @@ def _accumulate_key_scores_kernel(
         # "ieee" keeps fp32 dots out of TF32; fp16/bf16 dots are exact products either way.
         logits = tl.dot(q, tl.trans(k), input_precision="ieee") * (scale * k_scale)[None, :]
         visible = (slots[None, :] <= prefix_len + queries[:, None]) & row_mask[:, None] & slot_mask[None, :]
+        if SKIP:
+            q_pos = tl.load(q_pos_ptr + q_start + queries, mask=row_mask, other=0)
+            visible &= q_pos[:, None] - key_pos[None, :] >= skip
         # tl.where, not a multiply: exp of a masked-out logit may overflow to inf.
         probs = tl.where(visible, tl.exp(logits - lse[:, None]), 0.0)
         if SQUARE:
@@ -154,7 +169,8 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
                                  score_from: torch.Tensor | None = None,
                                  max_query_len: int | None = None, max_context_len: int | None = None,
                                  kv_scales: torch.Tensor | None = None,
-                                 square_scores: torch.Tensor | None = None) -> None:
+                                 square_scores: torch.Tensor | None = None, score_skip: torch.Tensor | None = None,
+                                 positions: torch.Tensor | None = None, pos_cache: torch.Tensor | None = None) -> None:
     """accumulate_key_scores_ref as one Triton kernel that never materialises the
     [queries x keys] probabilities: each program recomputes them tile by tile.
 
@@ -172,6 +188,9 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
         score_from = torch.zeros(B, dtype=torch.int32, device=q.device)
     assert score_from.dtype == torch.int32 and score_from.shape == (B,), score_from.shape
     assert square_scores is None or (square_scores.dtype == torch.bool and square_scores.shape == (B,))
+    skip = score_skip is not None
+    assert not skip or (score_skip.dtype == torch.int32 and score_skip.shape == (B,)
+                        and pos_cache.shape == score_cache.shape and positions.shape == q.shape[:1])
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     if max_context_len is None:
@@ -187,12 +206,14 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
     grid = (B, triton.cdiv(max_context_len, block_n), Hkv)
     _accumulate_key_scores_kernel[grid](
         q, kernel_view(k_cache), scales, score_cache, block_tables, cu_seqlens_q, context_lens, lse,
-        score_from, score_from if square_scores is None else square_scores, scale,
+        score_from, score_from if square_scores is None else square_scores,
+        *((score_skip, positions, pos_cache) if skip else (score_from,) * 3), scale,
         q.stride(0), q.stride(1), *k_cache.stride()[:2], *scales.stride()[:2], score_cache.stride(0),
+        pos_cache.stride(0) if skip else 0,
         *block_tables.stride()[:2], context_lens.stride(0), lse.stride(0), lse.stride(1),
         G=G, HEAD_DIM=D, HEAD_DIM_PADDED=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_m // G, BLOCK_N=block_n,
         DOT_IN_FP32=_dot_config(q.dtype)[0],   # the interpreter's bf16 tl.dot is wrong
-        QUANTIZED=kv_scales is not None, SQUARE=square_scores is not None,
+        QUANTIZED=kv_scales is not None, SQUARE=square_scores is not None, SKIP=skip,
         num_warps=num_warps,
     )

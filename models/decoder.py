@@ -66,6 +66,7 @@ class Attention(nn.Module):
                                       max_context_len=meta.max_context_len, num_decodes=meta.num_decodes,
                                       score_cache=cache.scores if meta.accumulate_scores else None,
                                       score_from=meta.score_from, square_scores=meta.square_scores,
+                                      score_skip=meta.score_skip, positions=positions, pos_cache=cache.positions,
                                       logits=cache.logits, workspace=meta.decode_workspace,
                                       cpu_plan=None if meta.cpu_plan is None else meta.cpu_plan.layer(i),
                                       kv_scales=cache.kv_scales)

@@ -47,9 +47,9 @@ def check_float(name: str, value, low: float, high: float = math.inf, *, low_ope
         _fail(name, value, allowed, optional, ValueError)
 
 
-def check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        _fail(name, value, "True or False", False, TypeError)
+def check_bool(name: str, value, *, optional: bool = False) -> None:
+    if not isinstance(value, bool) and not (optional and value is None):
+        _fail(name, value, "True or False", optional, TypeError)
 
 
 def check_choice(name: str, value, choices: tuple[str, ...], *, optional: bool = False) -> None:

@@ -124,6 +124,7 @@ class EngineConfig:
     kv_recent: int | None = None        # most recent pairs never evicted; None: the ranking's default
     kv_window: int | None = None        # snapkv's observation window; None: 32
     kv_pool: int | None = None          # snapkv's odd max-pooling kernel; None: 7
+    kv_score_all: bool | None = None    # kvcompress: KVC-full's scores (every query); None: False (KVC-w)
 
     def __post_init__(self):
         check_type("model", self.model, (str,), "a model directory or hub id (str)", optional=True)
@@ -156,6 +157,7 @@ class EngineConfig:
         check_int("kv_recent", self.kv_recent, 0, optional=True)
         check_int("kv_window", self.kv_window, 1, optional=True)
         check_int("kv_pool", self.kv_pool, 1, optional=True)
+        check_bool("kv_score_all", self.kv_score_all, optional=True)
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device) -> torch.dtype:

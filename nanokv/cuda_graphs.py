@@ -42,6 +42,7 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.score_from = torch.zeros(n, dtype=torch.int32, device=device)   # windowed rankings (attention.py)
         self.square_scores = torch.zeros(n, dtype=torch.bool, device=device)
+        self.score_skip = torch.zeros(n, dtype=torch.int32, device=device)   # 0: every pair counts
         self.hidden = torch.zeros(n, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype, device=device)
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         # Two graphs per size: one that also accumulates eviction scores (a batch with an
@@ -63,7 +64,8 @@ class DecodeGraphs:
                                  context_lens=self.context_lens[:, :bs], block_tables=self.block_tables[:, :bs],
                                  max_query_len=1, max_context_len=self.max_model_len, num_decodes=bs,
                                  accumulate_scores=scores, score_from=self.score_from[:bs],
-                                 square_scores=self.square_scores[:bs], decode_workspace=self.workspace)
+                                 square_scores=self.square_scores[:bs], score_skip=self.score_skip[:bs],
+                                 decode_workspace=self.workspace)
 
     @torch.inference_mode()
     def _forward(self, bs: int, scores: bool) -> None:
@@ -90,5 +92,6 @@ class DecodeGraphs:
         if meta.accumulate_scores:
             self.score_from[:n] = meta.score_from
             self.square_scores[:n] = False if meta.square_scores is None else meta.square_scores
+            self.score_skip[:n] = 0 if meta.score_skip is None else meta.score_skip
         self.graphs[bs, meta.accumulate_scores].replay()
         return self.hidden[:n]

@@ -71,7 +71,7 @@ class LLM:
         cfg = self.config
         make_method(cfg.kv_method, cfg.kv_schedule, cfg.kv_budget, cfg.evict_every, cfg.block_size,
                     sinks=cfg.kv_sinks, recent=cfg.kv_recent, window=cfg.kv_window,
-                    pool=cfg.kv_pool)   # check the defaults now
+                    pool=cfg.kv_pool, score_all=cfg.kv_score_all)   # check the defaults now
         if kernels.BACKEND == "triton" and cfg.block_size < 16:
             raise ValueError(f"block_size must be >= 16 with the Triton kernels, got {cfg.block_size} "
                              "(NANOKV_KERNELS=torch takes any power of two)")
@@ -156,7 +156,8 @@ class LLM:
             return getattr(cfg, field) if value is None else value
         method = make_method(setting("kv_method"), setting("kv_schedule"), setting("kv_budget"),
                              setting("evict_every"), cfg.block_size, sinks=setting("kv_sinks"),
-                             recent=setting("kv_recent"), window=setting("kv_window"), pool=setting("kv_pool"))
+                             recent=setting("kv_recent"), window=setting("kv_window"), pool=setting("kv_pool"),
+                             score_all=setting("kv_score_all"))
         if params.return_kept_positions and method.name == "full":
             raise ValueError("return_kept_positions needs an evicting kv_method (any but full); "
                              "with full every position is kept")

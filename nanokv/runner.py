@@ -156,6 +156,8 @@ class ModelRunner:
             score_from=tensor([m.score_from(seq) for m, seq in zip(methods, seqs)], torch.int32),
             square_scores=tensor([m.squares_scores for m in methods], torch.bool)
             if any(m.squares_scores for m in methods) else None,
+            score_skip=tensor([m.score_skip for m in methods], torch.int32) if any(m.score_skip for m in methods)
+            else None,
             decode_workspace=self.decode_workspace)
         if kernels.BACKEND == "cpu":   # the gathers and masks every layer shares, built once
             meta = step.meta
@@ -320,7 +322,8 @@ class ModelRunner:
         keep, kept_lens, evicted = plan_page_eviction(priority, lens, max(int(held_pages.sum()) - target, 0), bs,
                                                       seq.method.floor_pages(bs))
         kernels.compact_kv(self.kv_cache.per_slot, tables, keep, kept_lens)
-        self.kv_cache.scores[tables[torch.arange(width, device=self.device) < held_pages[..., None]]] = 0.0
+        if seq.method.windowed:   # its scores restart (KVC-full's keep accumulating)
+            self.kv_cache.scores[tables[torch.arange(width, device=self.device) < held_pages[..., None]]] = 0.0
         staying = self.kv_cache.pages(torch.tensor(seq.block_table[:eviction.num_blocks_kept], device=self.device))
         tables, src, dst = repage(tables, held_pages - evicted, staying.flatten())
         for buffer in self.kv_cache.per_slot:

@@ -31,6 +31,7 @@ class SamplingParams:
     kv_recent: int | None = None        # most recent pairs never evicted (None: the ranking's default)
     kv_window: int | None = None        # snapkv: queries in its observation window (None: 32)
     kv_pool: int | None = None          # snapkv: odd max-pooling kernel over neighbouring slots (None: 7)
+    kv_score_all: bool | None = None    # kvcompress: KVC-full, every query but the kv_window nearest (None: False)
     return_kept_positions: bool = False  # output: positions each (layer, KV head) kept at the end
     prompt_logprobs: bool = False       # output: log-probability of every prompt token
 
@@ -61,6 +62,7 @@ class SamplingParams:
         check_int("kv_recent", self.kv_recent, 0, optional=True)
         check_int("kv_window", self.kv_window, 1, optional=True)
         check_int("kv_pool", self.kv_pool, 1, optional=True)
+        check_bool("kv_score_all", self.kv_score_all, optional=True)
         check_bool("return_kept_positions", self.return_kept_positions)
         check_bool("prompt_logprobs", self.prompt_logprobs)
 

@@ -174,7 +174,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         if f.name == "model":
             continue
         flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
+        if f.type.startswith("bool"):   # bool, or bool | None (a flag that sets True)
             parser.add_argument(flag, action="store_true", default=None)
         else:
             kind = next((types[t] for t in f.type.replace("|", " ").split() if t in types), str)

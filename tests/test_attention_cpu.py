@@ -6,13 +6,15 @@ import torch
 from kernels.attention import paged_attention_ref
 from kernels.attention_cpu import paged_attention_cpu
 from kernels.key_scores import accumulate_key_scores_ref
-from test_attention_triton import make_cache, mixed_chunks, mixed_squares, scattered_tables, varlen_batch
+from test_attention_triton import (make_cache, mixed_chunks, mixed_squares, scattered_tables, skip_inputs,
+                                   varlen_batch)
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-def run_both(chunks, dtype, G, head_dim=64, block_size=16, num_kv_heads=2, scores=True, even=False):
-    """even: every head of a sequence holds the same slots (uniform methods); else ragged (uneven ones)."""
+def run_both(chunks, dtype, G, head_dim=64, block_size=16, num_kv_heads=2, scores=True, even=False, skip=False):
+    """even: every head of a sequence holds the same slots (uniform methods); else ragged (uneven ones).
+    skip: KVC-full's score_skip (skip_inputs: some sequences skip nothing), with score_from."""
     torch.manual_seed(0)
     q, cu_seqlens_q, context_lens = varlen_batch(chunks, num_kv_heads, G, head_dim, dtype, "cpu")
     if even:
@@ -25,11 +27,16 @@ def run_both(chunks, dtype, G, head_dim=64, block_size=16, num_kv_heads=2, score
     squares = mixed_squares(len(chunks), "cpu")
     initial = torch.rand(num_pages, block_size)
     ref_scores, cpu_scores = initial.clone(), initial.clone()
+    skipping = {}
+    if skip:
+        score_skip, positions, pos_cache = skip_inputs(len(chunks), len(q), (num_pages, block_size), "cpu")
+        score_from = torch.arange(len(chunks), dtype=torch.int32) % 4   # some chunks count from a later query
+        skipping = dict(score_from=score_from, score_skip=score_skip, positions=positions, pos_cache=pos_cache)
     ref, lse = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale, return_lse=True)
     accumulate_key_scores_ref(q, k_cache, ref_scores, tables, cu_seqlens_q, context_lens, lse, scale,
-                              square_scores=squares)
+                              square_scores=squares, **skipping)
     out = paged_attention_cpu(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
-                              score_cache=cpu_scores if scores else None, square_scores=squares)
+                              score_cache=cpu_scores if scores else None, square_scores=squares, **skipping)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     if scores:
@@ -60,6 +67,14 @@ def test_decode_step(lengths, scores, even):
 def test_long_chunk_after_context(scores, even):
     """A chunk longer than a score tile, after earlier context: the offset causal mask."""
     run_both([(300, 600)], torch.float32, 3, scores=scores, even=even)
+
+
+@pytest.mark.parametrize("even", [True, False])
+@pytest.mark.parametrize("chunks", [mixed_chunks(16), [(300, 600), (20, 1)]], ids=["mixed", "long"])
+def test_only_pairs_far_enough_apart_count(chunks, even):
+    """KVC-full's score_skip and score_from, in prefills (a chunk over several score tiles)
+    and decodes, beside sequences that skip nothing."""
+    run_both(chunks, torch.float32, 3, even=even, skip=True)
 
 
 def test_a_new_step_gets_a_new_plan():

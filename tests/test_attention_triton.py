@@ -99,11 +99,20 @@ def mixed_squares(batch_size, device):
     return torch.arange(batch_size, device=device) % 2 == 1
 
 
+def skip_inputs(batch_size, num_queries, cache_shape, device):
+    """KVC-full's score_skip [B] (0, which skips nothing, for every third sequence), query
+    positions [T] and key positions pos_cache [P, bs]: each key 1 to 99 positions before each query."""
+    score_skip = torch.tensor([(0, 40, 55)[b % 3] for b in range(batch_size)], dtype=torch.int32, device=device)
+    positions = torch.randint(50, 100, (num_queries,), device=device)
+    return score_skip, positions, torch.randint(0, 50, cache_shape, dtype=torch.int32, device=device)
+
+
 def dense_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
-                    score_from=None, square_scores=None):
+                    score_from=None, square_scores=None, skip=None):
     """The float64 oracle, each (sequence, KV head) on its own with its keys walked slot by
     slot: out [T, Hq, D], lse [T, Hq] (-inf for a head with no slots) and the key scores
-    [P, bs] the queries add (from query score_from[b] on; squared where square_scores[b])."""
+    [P, bs] the queries add (from query score_from[b] on; squared where square_scores[b]; with
+    skip = skip_inputs(), only pairs whose positions are score_skip[b] or more apart)."""
     T, Hq, D = q.shape
     Hkv, block_size = tables.shape[1], k_cache.shape[1]
     G = Hq // Hkv
@@ -125,7 +134,12 @@ def dense_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, sca
             probs = logits.softmax(dim=-1)
             out[rows, heads] = torch.einsum("gnl,ld->ngd", probs, v)
             lse[rows, heads] = logits.logsumexp(dim=-1).T
-            counted = probs[:, max(int(score_from[b]), 0):] if score_from is not None else probs
+            counted = probs
+            if score_from is not None:
+                counted = counted * (torch.arange(n, device=q.device) >= int(score_from[b]))[:, None]
+            if skip is not None:
+                score_skip, positions, pos_cache = skip
+                counted = counted * (positions[rows, None] - pos_cache[pages, offsets] >= int(score_skip[b]))
             if square_scores is not None and square_scores[b]:
                 counted = counted ** 2
             scores[pages, offsets] += counted.sum(dim=(0, 1))
@@ -295,6 +309,27 @@ def test_decode_scores_only_where_score_from_allows():
     assert_close(scores, expected, SCORE_TOL[torch.float32], "scores")
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_scores_only_pairs_far_enough_apart(num_splits):
+    """score_skip (KVC-full): a sequence's query adds nothing to the keys fewer than
+    score_skip[b] positions before it; 0 skips nothing. Mixed with squared sequences and
+    with score_from, and the output is the same as without scores."""
+    lens = [5, 70, 33, 300, 17, 150]
+    q, k_cache, v_cache, tables, context_lens = decode_batch(lens, 2, 3, 64, 16, torch.float32, KERNEL_DEVICE)
+    skip = skip_inputs(len(lens), len(lens), k_cache.shape[:2], KERNEL_DEVICE)
+    score_from = torch.tensor([0, 0, 0, 0, 1, 0], dtype=torch.int32, device=KERNEL_DEVICE)
+    square = mixed_squares(len(lens), KERNEL_DEVICE)
+    scores = torch.zeros(k_cache.shape[:2], device=KERNEL_DEVICE)
+    args = (q, k_cache, v_cache, tables, context_lens, 0.125, num_splits)
+    out = paged_decode_attention_triton(*args, score_cache=scores, score_from=score_from, square_scores=square,
+                                        score_skip=skip[0], positions=skip[1], pos_cache=skip[2])
+    assert torch.equal(out, paged_decode_attention_triton(*args))
+    expected = dense_attention(q, k_cache, v_cache, tables, torch.arange(len(lens) + 1, device=KERNEL_DEVICE),
+                               context_lens, 0.125, score_from=score_from, square_scores=square, skip=skip)[2]
+    assert_close(scores, expected, SCORE_TOL[torch.float32], "scores")
+    assert 0 < int((expected > 0).sum()) < int(context_lens.sum())   # some pairs count, others are skipped
+
+
 def test_decode_workspace_reuse():
     """As under CUDA-graph replay: one workspace and one logits scratch, sized for a
     bigger batch, serve calls whose context lengths change; they are never cleared."""
@@ -348,8 +383,8 @@ def test_decode_splits_follow_each_context():
 
 def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
     """kernels.paged_attention with the decodes first: their rows go to flash-decoding,
-    the chunks to the prefill kernel; out and the key scores (plain and squared) match
-    the references."""
+    the chunks to the prefill kernel; out and the key scores (plain and squared, KVC-full's
+    skipping and not) match the references and the float64 oracle."""
     block_size, Hkv, G, D = 16, 2, 3, 64
     chunks = [(20, 1), (0, 1), (47, 1), (0, 37), (block_size + 3, 45)]
     q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv, G, D, torch.float32, KERNEL_DEVICE)
@@ -358,6 +393,7 @@ def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
     k_cache, v_cache = make_cache(num_pages, block_size, D, torch.float32, KERNEL_DEVICE)
     tables = scattered_tables(context_lens, block_size, num_pages, width, device=KERNEL_DEVICE)
     square = mixed_squares(len(chunks), KERNEL_DEVICE)
+    skip = skip_inputs(len(chunks), len(q), k_cache.shape[:2], KERNEL_DEVICE)
     launched = []
     real_decode = kernels.paged_decode_attention_triton
     monkeypatch.setattr(kernels, "paged_decode_attention_triton",
@@ -370,13 +406,17 @@ def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
             scores = torch.zeros(k_cache.shape[:2], device=KERNEL_DEVICE)
             out = kernels.paged_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
                                           max_query_len=45, max_context_len=64, num_decodes=3, score_cache=scores,
-                                          square_scores=square)
+                                          square_scores=square, score_skip=skip[0], positions=skip[1],
+                                          pos_cache=skip[2])
             results[backend] = out, scores
     finally:
         kernels.set_backend(before)
     assert launched == [3]
     assert_close(results["triton"][0], results["torch"][0], TOL[torch.float32][0], "out")
     assert_close(results["triton"][1], results["torch"][1], SCORE_TOL[torch.float32], "scores")
+    expected = dense_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
+                               square_scores=square, skip=skip)[2]
+    assert_close(results["triton"][1], expected, SCORE_TOL[torch.float32], "scores")
 
 
 # ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from helpers import KERNEL_DEVICE
 
 from kernels.attention import paged_attention_ref
 from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
+from test_attention_triton import skip_inputs
 
 
 @dataclass
@@ -86,8 +87,9 @@ def mixed_squares(batch: Batch) -> torch.Tensor:
     return torch.arange(len(batch.context_lens)) % 2 == 1
 
 
-def dense_expectation(batch: Batch, score_from=None, square_scores=None):
-    """The updated score cache (float64), which slots it touched, and the lse [T, Hq] (fp32)."""
+def dense_expectation(batch: Batch, score_from=None, square_scores=None, skip=None):
+    """The updated score cache (float64), which slots it touched, and the lse [T, Hq] (fp32).
+    skip: skip_inputs()'s (score_skip, positions, pos_cache), KVC-full's pairs far enough apart."""
     expected = batch.score_cache.double().clone()
     touched = torch.zeros_like(batch.score_cache, dtype=torch.bool)
     lse = torch.empty(batch.q.shape[:2])
@@ -99,6 +101,9 @@ def dense_expectation(batch: Batch, score_from=None, square_scores=None):
             probs = logits.softmax(dim=-1)
             if score_from is not None:
                 probs[:, :max(int(score_from[b]), 0)] = 0.0
+            if skip is not None:
+                score_skip, positions, pos_cache = skip
+                probs[:, positions[start:end, None] - pos_cache[pages, offsets] < int(score_skip[b])] = 0.0
             if square_scores is not None and square_scores[b]:
                 probs = probs ** 2
             expected[pages, offsets] += probs.sum(dim=(0, 1))
@@ -198,6 +203,28 @@ def test_only_queries_from_score_from_count(kernel):
     accumulate(batch.q, batch.k_cache, batch.score_cache, batch.block_tables, batch.cu_seqlens_q,
                batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale, score_from.to(KERNEL_DEVICE),
                square_scores=square.to(KERNEL_DEVICE))
+    assert_scores(batch, initial, expected, touched)
+
+
+@pytest.mark.parametrize("kernel", ["ref", "triton"])
+@pytest.mark.parametrize("case", ["bs16-d64-g1", "bs32-d128-g3"])
+def test_only_pairs_far_enough_apart_count(kernel, case):
+    """score_skip[b] (KVC-full): a query adds nothing to keys fewer than score_skip[b] positions
+    before it; sequences that skip nothing (0), squared ones and score_from in the same batch."""
+    batch = make_batch(**CASES[case], dtype=torch.float32)
+    B = len(batch.context_lens)
+    skip = skip_inputs(B, len(batch.q), batch.score_cache.shape, "cpu")
+    score_from = torch.tensor([0, 0, 4, 0, 0][:B], dtype=torch.int32)
+    square = mixed_squares(batch)
+    expected, touched, lse = dense_expectation(batch, score_from, square, skip)
+    initial = batch.score_cache.clone()
+    accumulate = accumulate_key_scores_ref if kernel == "ref" else accumulate_key_scores_triton
+    batch = batch.to(KERNEL_DEVICE)
+    score_skip, positions, pos_cache = (t.to(KERNEL_DEVICE) for t in skip)
+    accumulate(batch.q, batch.k_cache, batch.score_cache, batch.block_tables, batch.cu_seqlens_q,
+               batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale, score_from.to(KERNEL_DEVICE),
+               square_scores=square.to(KERNEL_DEVICE), score_skip=score_skip, positions=positions,
+               pos_cache=pos_cache)
     assert_scores(batch, initial, expected, touched)
 
 

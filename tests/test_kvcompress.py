@@ -5,8 +5,10 @@ implements Section 4.2.2's block eviction literally: per head, the pairs sorted 
 metric with the empty slots of its last page first; evicting e pages costs the
 (e * bs)-th lowest; pages go one at a time to the head whose next page is cheapest.
 The metric is Section 4.3's squared attention, summed over the query group and the
-last `kv_window` queries before an eviction. No pages, tables or kernels: the
-engine must keep exactly the same positions per head and the same greedy tokens.
+last `kv_window` queries before an eviction (KVC-w), or with kv_score_all (KVC-full,
+eq. 19) over every query so far, never reset, except on the `kv_window` keys nearest
+before each query. No pages, tables or kernels: the engine must keep exactly the same
+positions per head and the same greedy tokens.
 """
 from __future__ import annotations
 
@@ -105,9 +107,9 @@ class HeadKV:
 
 
 @torch.no_grad()
-def oracle_forward(oracle, cache, ids, positions, counted):
-    """Oracle.forward with a list of pairs per head, adding squared probabilities of the
-    queries where counted [T] is true."""
+def oracle_forward(oracle, cache, ids, positions, counts):
+    """Oracle.forward with a list of pairs per head, adding the squared probabilities of the
+    (query, key) pairs that count: counts(query positions [T], key positions [n]) -> [T, n or 1] bool."""
     pos = torch.tensor(positions)
     T, H, Hkv, D = len(ids), oracle.num_heads, oracle.num_kv_heads, oracle.head_dim
     group = H // Hkv
@@ -124,7 +126,7 @@ def oracle_forward(oracle, cache, ids, positions, counted):
             for qh in range(kv_head * group, (kv_head + 1) * group):
                 logits = (q[qh] @ kv.k.T / math.sqrt(D)).masked_fill(kv.pos[None] > pos[:, None], -math.inf)
                 probs = logits.softmax(dim=-1)
-                kv.score += (probs ** 2 * counted[:, None]).sum(dim=0)
+                kv.score += (probs ** 2 * counts(pos, kv.pos)).sum(dim=0)
                 out[:, qh] = probs @ kv.v
         x = x + attn.o_proj(out.reshape(T, H * D))
         x = x + layer.mlp(oracle.rms_norm(x, layer.post_attention_layernorm))
@@ -139,19 +141,24 @@ def eviction_points(schedule, prompt_len, budget, p, end):
     return {t: budget - p for t in range(first, end, p)}
 
 
-def kvcompress_oracle(oracle, ids, budget, p, max_tokens, schedule="prefill", bs=BLOCK, window=8, sinks=0):
+def kvcompress_oracle(oracle, ids, budget, p, max_tokens, schedule="prefill", bs=BLOCK, window=8, sinks=0,
+                      score_all=False):
     """Greedy tokens and kept positions [L, H, n] (-1 padded) of kvcompress: before each
     eviction point the heads give up whole pages, as many as leave them the point's pairs
-    per head on average; under prefill the prompt is read |kv| tokens, then p at a time."""
+    per head on average; under prefill the prompt is read |kv| tokens, then p at a time.
+    score_all: KVC-full's metric."""
     L, Hkv = len(oracle.model.layers), oracle.num_kv_heads
     cache = [[HeadKV(oracle.head_dim) for _ in range(Hkv)] for _ in range(L)]
     evictions = eviction_points(schedule, len(ids), budget, p, len(ids) + max_tokens - 1)
     recent = window
 
+    def counts(q_pos, k_pos):
+        if score_all:   # every query, except on the `window` keys nearest before it
+            return q_pos[:, None] - k_pos[None] >= window
+        return torch.tensor([any(e - window <= int(i) < e for e in evictions) for i in q_pos])[:, None]
+
     def feed(tokens, start):
-        t = torch.arange(start, start + len(tokens))
-        counted = torch.tensor([any(e - window <= int(i) < e for e in evictions) for i in t])
-        return oracle_forward(oracle, cache, tokens, t.tolist(), counted.double())
+        return oracle_forward(oracle, cache, tokens, list(range(start, start + len(tokens))), counts)
 
     def evict(after):
         lens = torch.tensor([[len(kv.pos) for kv in heads] for heads in cache])
@@ -166,7 +173,8 @@ def kvcompress_oracle(oracle, ids, budget, p, max_tokens, schedule="prefill", bs
         _, kept = greedy_page_eviction(priority, lens, pages, bs, -(-recent // bs))
         for (l, h), rows in kept.items():
             cache[l][h].keep(rows)
-            cache[l][h].score.zero_()
+            if not score_all:   # KVC-w's window restarts
+                cache[l][h].score.zero_()
 
     chunk = budget if schedule == "prefill" else len(ids)
     logits, position = feed(ids[:chunk], 0), min(chunk, len(ids))
@@ -189,19 +197,22 @@ def kvcompress_oracle(oracle, ids, budget, p, max_tokens, schedule="prefill", bs
     return tokens, kept
 
 
-def params(budget, p, max_tokens, schedule="prefill"):
+def params(budget, p, max_tokens, schedule="prefill", score_all=False):
     from nanokv import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, kv_method="kvcompress",
-                          kv_schedule=schedule, kv_budget=budget, evict_every=p, return_kept_positions=True)
+                          kv_schedule=schedule, kv_budget=budget, evict_every=p, kv_score_all=score_all,
+                          return_kept_positions=True)
 
 
-# (schedule, budget, p, prompt, tokens) for pages of 16 slots, then of 4, where heads have more pages to trade
+# (schedule, budget, p, prompt, tokens[, KVC-full]) for pages of 16 slots, then of 4, where heads have more
+# pages to trade
 CASES = {16: [("prefill", 32, 16, 70, 12), ("prefill", 32, 16, 33, 20), ("prefill", 48, 16, 100, 8),
               ("prefill", 64, 32, 90, 6), ("decode", 32, 16, 70, 12), ("decode", 48, 16, 40, 30),
-              ("once", 32, 16, 70, 12), ("once", 48, 16, 100, 8)],
+              ("once", 32, 16, 70, 12), ("once", 48, 16, 100, 8), ("prefill", 32, 16, 70, 12, True)],
          4: [("prefill", 32, 8, 80, 20), ("prefill", 40, 8, 70, 9), ("decode", 32, 8, 75, 15),
-             ("once", 24, 8, 60, 10)]}
+             ("once", 24, 8, 60, 10), ("prefill", 40, 8, 70, 9, True), ("decode", 32, 8, 60, 10, True),
+             ("once", 24, 8, 60, 8, True)]}
 
 
 @pytest.mark.parametrize("bs", CASES)
@@ -210,13 +221,14 @@ def test_kvcompress_keeps_what_the_oracle_keeps(model, bs):
     of pairs, and the sequence never holds more than its budget (under prefill and decode)."""
     path, _, oracle = model
     llm = engine(path, block_size=bs)
-    cases = CASES[bs]
-    prompts = [prompt(s, seed=0) for _, _, _, s, _ in cases]
-    outs = llm.generate(prompts, [params(b, p, n, schedule) for schedule, b, p, _, n in cases])
+    cases = [(*case, False)[:6] for case in CASES[bs]]
+    prompts = [prompt(s, seed=0) for _, _, _, s, _, _ in cases]
+    outs = llm.generate(prompts, [params(b, p, n, schedule, full) for schedule, b, p, _, n, full in cases])
     problems = []
-    for (schedule, b, p, s, n), ids, out in zip(cases, prompts, outs):
-        tokens, kept = kvcompress_oracle(oracle, ids, b, p, n, schedule=schedule, bs=bs)
-        problems += differences(f"{schedule} budget={b} p={p} prompt={s}", out, tokens, kept)
+    for (schedule, b, p, s, n, full), ids, out in zip(cases, prompts, outs):
+        tokens, kept = kvcompress_oracle(oracle, ids, b, p, n, schedule=schedule, bs=bs, score_all=full)
+        problems += differences(f"{schedule}{' KVC-full' if full else ''} budget={b} p={p} prompt={s}", out,
+                                tokens, kept)
     assert not problems, "\n".join(problems)
     held = torch.stack([(out.kept_positions >= 0).sum(dim=-1) for out in outs])
     assert bs == 16 or (held.amin(dim=(1, 2)) < held.amax(dim=(1, 2))).any()   # heads kept different numbers
@@ -256,3 +268,26 @@ def test_kvcompress_settings_are_checked(bad, message):
     with pytest.raises(ValueError, match=message):
         make_method("kvcompress", settings["kv_schedule"], settings["kv_budget"], settings["evict_every"], BLOCK,
                     recent=settings["kv_recent"], pool=settings["kv_pool"])
+
+
+def test_kvc_full_settings_are_checked():
+    """kv_score_all belongs to kvcompress and is a bool; `all=1` writes it in a method spec.
+    KVC-full is not windowed: its queries skip the kv_window keys nearest before them, which
+    it keeps (no query counted them yet)."""
+    from nanokv import SamplingParams
+    from nanokv.config import EngineConfig
+    from nanokv.eviction import make_method, parse_spec
+
+    with pytest.raises(ValueError, match="kv_score_all is a setting of kvcompress only; it must be None for h2o"):
+        make_method("h2o", None, 32, 16, BLOCK, score_all=False)
+    with pytest.raises(TypeError, match="kv_score_all must be None or True or False, got 1"):
+        SamplingParams(kv_score_all=1)
+    with pytest.raises(TypeError, match="kv_score_all must be None or True or False, got 'yes'"):
+        EngineConfig(kv_score_all="yes")
+    with pytest.raises(ValueError, match="bad setting 'all=2'"):
+        parse_spec("kvcompress,all=2")
+    assert parse_spec("kvcompress@decode,all=1,window=4") == dict(kv_method="kvcompress", kv_schedule="decode",
+                                                                  kv_score_all=True, kv_window=4)
+    method = make_method("kvcompress", None, 32, 16, BLOCK, window=4, score_all=True)
+    assert (method.score_skip, method.windowed, method.recent) == (4, False, 4)
+    assert make_method("kvcompress", None, 32, 16, BLOCK, window=4).score_skip == 0

@@ -203,13 +203,14 @@ def test_evicting_requests_share_soundly(tiny_dir, kv_cache_dtype):
     # all; a ranking that needs no scores what it reads before its first eviction (streamingllm
     # under prefill: |kv| = 32; knorm, ed and tova: the prompt, tova's window being its last
     # query); snapkv only what comes before its window (at 70 - 16 = 54: 3 blocks), kvcompress too
-    # (under prefill at 32 - 8 = 24: 1 block); batchmax, h2o none
+    # (under prefill at 32 - 8 = 24: 1 block); batchmax, h2o and KVC-full (every query counts) none
     cases = [(dict(), 10, 64), (dict(kv_method="streamingllm", kv_budget=32), 13, 32),
              (dict(kv_method="knorm", kv_budget=32), 16, 64), (dict(kv_method="ed", kv_budget=4), 19, 64),
              (dict(kv_method="tova", kv_budget=64), 22, 64),
              (dict(kv_method="snapkv", kv_budget=32, kv_window=16), 6, 48),
              (dict(kv_method="kvcompress", kv_budget=32), 9, 16),
-             (dict(kv_method="batchmax", kv_budget=64), 28, 0), (dict(kv_method="h2o", kv_budget=64), 31, 0)]
+             (dict(kv_method="batchmax", kv_budget=64), 28, 0), (dict(kv_method="h2o", kv_budget=64), 31, 0),
+             (dict(kv_method="kvcompress", kv_budget=32, kv_score_all=True), 25, 0)]
     prompts = [prefix + tokens(n, seed=70 + n) for _, n, _ in cases]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, evict_every=16,
                              return_kept_positions="kv_method" in m, **m) for m, _, _ in cases]

@@ -39,6 +39,7 @@ class KVMethod:
         self.sinks, self.recent, self.name = sinks, recent, name
         self.needs_scores = ranking is not None and ranking.needs_scores
         self.squares_scores = ranking is not None and ranking.squares_scores
+        self.score_skip = 0 if ranking is None else ranking.skip
         self.uneven = ranking is not None and ranking.uneven
         # It never evicts, so it never writes into its blocks after filling them: it may share
         # them with other sequences through the prefix cache (others take a private copy).
@@ -85,8 +86,8 @@ class KVMethod:
         """How many of a fresh seq's first tokens could come from the prefix cache with its
         results unchanged: all under the full cache; under eviction, only tokens read before
         the first eviction, and none whose query's attention would count (a query skipped
-        adds no score): none for batchmax and h2o, whose scores count every query, and for
-        tova and snapkv only those before their window."""
+        adds no score): none for batchmax, h2o and KVC-full, whose scores count every query,
+        and for tova, snapkv and KVC-w only those before their window."""
         if self.shares_blocks:
             return seq.num_tokens
         if self.needs_scores and not self.windowed:
@@ -110,13 +111,14 @@ class KVMethod:
         return priority.masked_fill(protected, float("inf"))
 
 
-def _windowed(name: str, budget: int, window: int | None, pool: int | None) -> Ranking:
-    """SnapKV's or KV-Compress's ranking with its observation window (and SnapKV's pooling)."""
+def _windowed(name: str, budget: int, window: int | None, pool: int | None, score_all: bool | None) -> Ranking:
+    """SnapKV's or KV-Compress's ranking with its observation window (and SnapKV's pooling;
+    KV-Compress's window is the keys each query skips under score_all, KVC-full)."""
     window = (32 if name == "snapkv" else 8) if window is None else window
     if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window <= budget:
         raise ValueError(f"kv_window must be an integer in [1, kv_budget = {budget}], got {window!r}")
     if name == "kvcompress":
-        return SquaredAttention(window)
+        return SquaredAttention(window, bool(score_all))
     pool = 7 if pool is None else pool
     if not isinstance(pool, int) or isinstance(pool, bool) or pool < 1 or pool % 2 == 0:
         raise ValueError(f"kv_pool must be an odd integer >= 1 (a centred kernel), got {pool!r}")
@@ -125,10 +127,10 @@ def _windowed(name: str, budget: int, window: int | None, pool: int | None) -> R
 
 def make_method(name: str | None, schedule: str | None, budget: int | None, evict_every: int, block_size: int, *,
                 sinks: int | None = None, recent: int | None = None, window: int | None = None,
-                pool: int | None = None) -> KVMethod:
+                pool: int | None = None, score_all: bool | None = None) -> KVMethod:
     """The method for a request, or a ValueError naming what is wrong with its settings.
     No name: the full cache, or with a budget the recommended method (below). No budget:
-    DEFAULT_BUDGET. None for schedule, sinks, recent, window or pool takes the ranking's default."""
+    DEFAULT_BUDGET. None for schedule, sinks, recent, window, pool or score_all takes the ranking's default."""
     if name is None and budget is not None:
         # Of all that evict while reading the prompt, the closest to the full cache in
         # docs/ACCURACY.md: average attention, 4 sinks and half of what stays after an
@@ -143,7 +145,8 @@ def make_method(name: str | None, schedule: str | None, budget: int | None, evic
         raise ValueError(f"unknown kv_method {name!r}; use one of {', '.join(METHODS)}")
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"unknown kv_schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    for field, value, owners in (("kv_window", window, ("snapkv", "kvcompress")), ("kv_pool", pool, ("snapkv",))):
+    for field, value, owners in (("kv_window", window, ("snapkv", "kvcompress")), ("kv_pool", pool, ("snapkv",)),
+                                 ("kv_score_all", score_all, ("kvcompress",))):
         if value is not None and name not in owners:
             raise ValueError(f"{field} is a setting of {' and '.join(owners)} only; it must be None for {name}, "
                              f"got {value!r}")
@@ -167,7 +170,8 @@ def make_method(name: str | None, schedule: str | None, budget: int | None, evic
                          f"None or 'decode', got {schedule!r}")
         ranking, schedule = AverageAttention(), "decode"
     else:
-        ranking = _windowed(name, budget, window, pool) if name in ("snapkv", "kvcompress") else RANKINGS[name]()
+        ranking = (_windowed(name, budget, window, pool, score_all) if name in ("snapkv", "kvcompress")
+                   else RANKINGS[name]())
         schedule = schedule or ranking.default_schedule
     if schedule == "once":
         if budget < 1:
@@ -185,8 +189,8 @@ def make_method(name: str | None, schedule: str | None, budget: int | None, evic
     for field, value in (("kv_sinks", sinks), ("kv_recent", recent)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{field} must be an integer >= 0, got {value!r}")
-    if name in ("snapkv", "kvcompress"):
-        recent = max(recent, ranking.window)   # the window's own pairs are kept
+    if name in ("snapkv", "kvcompress"):   # the window's own pairs are kept (KVC-full: no query counted them yet)
+        recent = max(recent, ranking.window or ranking.skip)
     if ranking.uneven:
         _check_uneven(schedule, budget, evict_every, block_size, sinks + recent)
     if sinks + recent > room:
@@ -210,13 +214,14 @@ def _check_uneven(schedule: str, budget: int, evict_every: int, block_size: int,
 
 
 SPEC_KEYS = {"sinks": "kv_sinks", "recent": "kv_recent", "window": "kv_window", "pool": "kv_pool",
-             "every": "evict_every"}
+             "every": "evict_every", "all": "kv_score_all"}
 
 
 def parse_spec(spec: str) -> dict:
     """SamplingParams fields from a method written on one line, as the benchmarks take it:
-    RANKING[@SCHEDULE][,KEY=INT...] with KEY one of sinks, recent, window, pool, every (p);
-    e.g. "snapkv@prefill,window=16,sinks=4". Settings not written take the defaults."""
+    RANKING[@SCHEDULE][,KEY=INT...] with KEY one of sinks, recent, window, pool, every (p), all
+    (kv_score_all: 0 or 1); e.g. "snapkv@prefill,window=16,sinks=4", "kvcompress,all=1".
+    Settings not written take the defaults."""
     name, *pairs = spec.split(",")
     ranking, _, schedule = name.partition("@")
     if ranking not in METHODS:
@@ -228,10 +233,10 @@ def parse_spec(spec: str) -> dict:
         fields["kv_schedule"] = schedule
     for pair in pairs:
         key, _, value = pair.partition("=")
-        if key not in SPEC_KEYS or not value.isdigit():
+        if key not in SPEC_KEYS or not value.isdigit() or (key == "all" and value not in ("0", "1")):
             raise ValueError(f"bad setting {pair!r} in {spec!r}: write KEY=INTEGER with KEY one of "
-                             f"{', '.join(SPEC_KEYS)}")
-        fields[SPEC_KEYS[key]] = int(value)
+                             f"{', '.join(SPEC_KEYS)} (all: 0 or 1)")
+        fields[SPEC_KEYS[key]] = value == "1" if key == "all" else int(value)
     return fields
 
 

@@ -30,6 +30,7 @@ class Ranking:
     name = ""
     needs_scores = False           # attention must accumulate per-slot scores for it
     window: int | None = None      # scores count only the last `window` queries before an eviction
+    skip = 0                       # a query adds nothing to the keys fewer than `skip` positions before it
     squares_scores = False         # scores add squared probabilities (KV-Compress's L2 metric)
     uneven = False                 # heads keep different numbers of pairs: whole pages go (KV-Compress)
     default_schedule = "prefill"
@@ -118,14 +119,16 @@ class SquaredAttention(Ranking):
     """KV-Compress (KVC-w): squared probabilities summed over the last `window` queries, and
     every (layer, head) keeps as many pairs as its scores earn: an eviction frees whole pages
     chosen across all heads and layers (nanokv/eviction/pages.py). The window's own pairs are
-    kept (make_method protects them)."""
+    kept (make_method protects them). With score_all (KVC-full, eq. 19): summed over every
+    query so far, never reset, except that a query adds nothing to the `window` keys nearest
+    before it (local attention says little about later queries); those pairs are kept."""
     name = "kvcompress"
     needs_scores = True
     squares_scores = True
     uneven = True
 
-    def __init__(self, window: int = 8):
-        self.window = window
+    def __init__(self, window: int = 8, score_all: bool = False):
+        self.window, self.skip = (None, window) if score_all else (window, 0)
 
     def keep_priority(self, held):
         return held.scores
