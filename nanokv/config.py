@@ -122,7 +122,7 @@ class EngineConfig:
     evict_every: int = 64               # p: pairs evicted at a time
     kv_sinks: int | None = None         # first positions never evicted; None: the ranking's default
     kv_recent: int | None = None        # most recent pairs never evicted; None: the ranking's default
-    kv_window: int | None = None        # snapkv's observation window; None: 32
+    kv_window: int | None = None        # snapkv's / kvcompress's observation window; None: 32 / 8
     kv_pool: int | None = None          # snapkv's odd max-pooling kernel; None: 7
     kv_score_all: bool | None = None    # kvcompress: KVC-full's scores (every query); None: False (KVC-w)
 

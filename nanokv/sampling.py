@@ -29,7 +29,7 @@ class SamplingParams:
     evict_every: int | None = None      # p: pairs evicted at a time (prefill, decode schedules)
     kv_sinks: int | None = None         # first positions never evicted (None: the ranking's default)
     kv_recent: int | None = None        # most recent pairs never evicted (None: the ranking's default)
-    kv_window: int | None = None        # snapkv: queries in its observation window (None: 32)
+    kv_window: int | None = None        # snapkv, kvcompress: queries in the observation window (None: 32, 8)
     kv_pool: int | None = None          # snapkv: odd max-pooling kernel over neighbouring slots (None: 7)
     kv_score_all: bool | None = None    # kvcompress: KVC-full, every query but the kv_window nearest (None: False)
     return_kept_positions: bool = False  # output: positions each (layer, KV head) kept at the end
