@@ -376,7 +376,7 @@ STATIC_COLUMNS = [("method", "label", ""), ("batch", "largest", ""), ("OOM at", 
                   ("peak KV GB", "peak_kv_gb", ".3f"), *TIMES]
 CONTINUOUS_COLUMNS = [("method", "label", ""), *SPEED, ("max running", "max_running", ""),
                       ("preemptions", "preemptions", ""), ("peak KV GB", "peak_kv_gb", ".3f"), *TIMES]
-WORKLOAD_COLUMNS = [*CONTINUOUS_COLUMNS[:-2], ("roofline ms/step", "roofline_ms_per_step", ".1f"),
+WORKLOAD_COLUMNS = [*CONTINUOUS_COLUMNS[:1 - len(TIMES)], ("roofline ms/step", "roofline_ms_per_step", ".1f"),
                     ("mean batch", "mean_decode_batch", ".1f"), ("mean context", "mean_decode_context", ".0f"),
                     *TIMES[1:]]
 SWEEP_COLUMNS = [("method", "label", ""), ("input", "input_len", ""), ("batch", "batch", ""), ("fits", "fits", ""),
