@@ -97,7 +97,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     query each (the runner orders them first): they go to flash-decoding, the rest
     to the prefill kernel. logits and workspace: flash-decoding's scratch
     (kernels/decode_attention.py), allocated per call if None; cpu_plan: the CPU
-    backend's per-step plan (kernels/attention_cpu.py), built per call if None.
+    backend's plan of this layer (kernels/attention_cpu.py, StepPlan.layer), built per call if None.
     kv_scales: the scales of an int8 or fp8 cache (kernels/kv_store.py), None for an unquantized one.
     """
     if BACKEND == "cpu":

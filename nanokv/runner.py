@@ -159,7 +159,7 @@ class ModelRunner:
             score_skip=tensor([m.score_skip for m in methods], torch.int32) if any(m.score_skip for m in methods)
             else None,
             decode_workspace=self.decode_workspace)
-        if kernels.BACKEND == "cpu":   # the gathers and masks every layer shares, built once
+        if kernels.BACKEND == "cpu":   # every layer's gathers and masks, built once for the step
             meta = step.meta
             meta.cpu_plan = make_plan(meta.block_tables, meta.cu_seqlens_q, meta.context_lens, self.block_size,
                                       self.dtype, meta.accumulate_scores)
