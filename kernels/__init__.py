@@ -20,6 +20,8 @@ from kernels.decode_attention import (MIN_SPLIT, DecodeWorkspace, decode_workspa
                                       paged_decode_attention_triton)
 from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
+from kernels.kv_store_cpu import store_kv_cpu
+from kernels.linear_cpu import PackedLinear, can_prepack, prepack_linears
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
@@ -32,7 +34,7 @@ def set_backend(name: str) -> None:
         raise ValueError(f"unknown kernel backend {name!r}; use 'torch', 'triton' or 'cpu'")
     BACKEND, TRITON = name, name == "triton"
     silu_and_mul = silu_and_mul_triton if TRITON else silu_and_mul_ref
-    store_kv = store_kv_triton if TRITON else store_kv_ref
+    store_kv = store_kv_triton if TRITON else store_kv_cpu if name == "cpu" else store_kv_ref
     rms_norm = rms_norm_triton if TRITON else rms_norm_ref
     add_rms_norm = add_rms_norm_triton if TRITON else add_rms_norm_ref
     apply_rope = apply_rope_triton if TRITON else apply_rope_cpu if name == "cpu" else apply_rope_ref

@@ -124,5 +124,13 @@ class Decoder(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:   # tied: the embedding table is the output projection
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def prepack_linears(self) -> None:
+        """For the CPU backend: every matmul's weight in oneDNN's layout (kernels/linear_cpu.py).
+        A tied output projection gets a packed copy of the embedding table too."""
+        if self.lm_head is None and kernels.can_prepack(self.embed_tokens.weight):
+            self.lm_head = kernels.PackedLinear(self.embed_tokens.weight, None)
+        kernels.prepack_linears(self)

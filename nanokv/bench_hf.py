@@ -2,7 +2,8 @@
 
 Same model (the bundled SmolLM2-135M by default), fp32, greedy, EOS ignored,
 both engines in one process with the same torch thread count, each warmed up
-once before it is timed. Two tables:
+once on the batch workload before it is timed (a first run also pays for page
+faults in fresh allocations and oneDNN's kernel setup: ~10% of it). Two tables:
 
 - batch: `--batch` prompts of `--input-len` tokens, `--output-len` new tokens each,
   output tokens/s over the whole run (prefill included);
@@ -92,9 +93,9 @@ def bench_vs_hf(args) -> None:
     llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     pad = llm.tokenizer.eos_token_id or 0
-    warm = stdlib_prompts(llm.tokenizer, 1, 32)
-    nanokv_generate(llm, warm, 4)
-    hf_generate(hf, warm, 4, pad)
+    warm = stdlib_prompts(llm.tokenizer, args.batch or 1, args.input_len if args.batch else 32)
+    nanokv_generate(llm, warm, args.output_len)
+    hf_generate(hf, warm, args.output_len, pad)
     print(f"model {path.name}, fp32, {torch.get_num_threads()} threads, greedy, EOS ignored")
 
     if args.batch:

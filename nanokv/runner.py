@@ -58,6 +58,8 @@ class ModelRunner:
         self.config, self.device, self.dtype, self.kv_dtype = config, device, dtype, kv_dtype
         self.block_size = config.block_size
         self.model = model
+        if kernels.BACKEND == "cpu":
+            model.prepack_linears()
         model_config = model.config
         # Flash-decoding's split partials, allocated before the memory profile counts what is in use.
         self.decode_workspace = None

@@ -15,6 +15,7 @@ from helpers import KERNEL_DEVICE
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
+from kernels.kv_store_cpu import store_kv_cpu
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
@@ -103,8 +104,9 @@ def check_silu_and_mul(shape, dtype, device):
     assert_close(silu_and_mul_triton(gate_up), silu_and_mul_ref(gate_up))
 
 
-def check_store_kv(T, block_size, Hkv, D, dtype, device):
-    """store_kv_ref against a write through the flat slot index, and store_kv_triton against store_kv_ref."""
+def check_store_kv(T, block_size, Hkv, D, dtype, device, store=store_kv_triton, padding=True):
+    """store_kv_ref against a write through the flat slot index, and store (Triton or the CPU
+    backend's) against store_kv_ref; with padding, a quarter of the tokens are padding."""
     interior = (T * Hkv) // block_size + 2
     num_pages = interior + 2
     _, _, k, v = fused_qkv(T, 2, Hkv, D, dtype, device)
@@ -112,7 +114,8 @@ def check_store_kv(T, block_size, Hkv, D, dtype, device):
     # written by mistake at page -1 or at offset -1 of page 0 would land there.
     free = torch.arange(block_size, (num_pages - 1) * block_size, device=device)
     slot_mapping = free[torch.randperm(len(free), device=device)[:T * Hkv]].view(T, Hkv)
-    slot_mapping[torch.randperm(T, device=device)[:T // 4]] = -1  # padding tokens: their whole row
+    if padding:
+        slot_mapping[torch.randperm(T, device=device)[:T // 4]] = -1  # padding tokens: their whole row
     positions = torch.randint(0, 4000, (T,), device=device)
     caches = [torch.full((num_pages, block_size, D), float("nan"), dtype=dtype, device=device),
               torch.full((num_pages, block_size, D), float("nan"), dtype=dtype, device=device),
@@ -125,7 +128,7 @@ def check_store_kv(T, block_size, Hkv, D, dtype, device):
         cache.view(num_pages * block_size, -1)[slot_mapping[written]] = rows.to(cache.dtype)
     expected = [c.clone() for c in caches]
     store_kv_ref(k, v, *expected, slot_mapping, positions)
-    store_kv_triton(k, v, *caches, slot_mapping, positions)
+    store(k, v, *caches, slot_mapping, positions)
     for actual, ref, want in zip(caches, expected, flat):
         torch.testing.assert_close(ref, want, rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(actual, want, rtol=0, atol=0, equal_nan=True)
@@ -166,6 +169,14 @@ def test_silu_and_mul(shape, dtype):
 @pytest.mark.parametrize("case", KV_CASES)
 def test_store_kv(case, dtype):
     check_store_kv(*case, dtype, KERNEL_DEVICE)
+
+
+@pytest.mark.parametrize("padding", [True, False], ids=["padded", "decode"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", KV_CASES)
+def test_store_kv_cpu_backend(case, dtype, padding):
+    """The CPU backend's flat writes (no padding) and its fallback to the reference (padding)."""
+    check_store_kv(*case, dtype, "cpu", store=store_kv_cpu, padding=padding)
 
 
 def test_bad_inputs_are_refused():
