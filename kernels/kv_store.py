@@ -41,7 +41,10 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     qmax = QUANT_MAX[dtype]
     x = x.float()
     amax = x.abs().amax(dim=-1)
-    y = (x * (qmax / torch.where(amax > 0, amax, 1.0))[..., None]).clamp(-qmax, qmax)   # a zero row stays 0
+    # qmax / amax divided as the kernel divides: torch computes scalar / tensor as
+    # qmax * (1 / amax), which is an ulp off a quarter of the time and then rounds y differently.
+    inv_scale = torch.full_like(amax, qmax) / torch.where(amax > 0, amax, 1.0)   # a zero row stays 0
+    y = (x * inv_scale[..., None]).clamp(-qmax, qmax)
     if dtype == torch.int8:
         y = torch.floor(y + 0.5)
     return y.to(dtype), amax / qmax

@@ -48,6 +48,22 @@ def test_round_trip_within_the_format_bound(fmt):
     assert torch.allclose(dequantize(values, scales).abs().amax(-1), x.abs().amax(-1), rtol=1e-6)
 
 
+def test_int8_rounds_as_the_kernel_divides():
+    """A row where 127 * (1 / amax), torch's scalar / tensor, is an ulp below 127 / amax, and
+    x * that lands on the other side of a rounding boundary: 2 by a true division, not 1."""
+    x = torch.zeros(1, 1, 16)
+    x[0, 0, 0], x[0, 0, 1] = 2.5812828540802, 0.03048759140074253
+    values, _ = quantize(x, torch.int8)
+    assert values[0, 0, 1] == 2
+    written = []
+    for store in (store_kv_ref, store_kv_triton):
+        cache = [torch.zeros(1, 16, 16, dtype=torch.int8), torch.zeros(1, 16, 16, dtype=torch.int8),
+                 torch.zeros(1, 16, dtype=torch.int32), torch.zeros(1, 16)]
+        store(x, x, *cache, torch.tensor([[3]]), torch.tensor([0]), kv_scales=torch.zeros(1, 16, 2))
+        written.append(cache[0][0, 3])
+    assert torch.equal(*written)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=param_id)
 def test_store_kv_quantizes_as_it_writes(fmt):
     """The Triton store writes exactly what the reference writes: values, scales, positions."""
