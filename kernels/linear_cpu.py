@@ -4,10 +4,10 @@ A decode step multiplies every weight matrix by a few rows, one per sequence.
 From 4 rows on, the sgemm behind F.linear (the reference) reads the weights
 at about half the memory bandwidth: the bundled model's 121 matrices take
 ~37-48 ms at 4-8 rows against ~25 ms to read them. oneDNN's matmul, with the
-weight reordered ahead of time into its blocked layout, takes ~25-30 ms, and
-prefill-sized inputs run as before (docs/PERF.md). At 1-3 rows (chat: one
-sequence) sgemm is the faster by ~15%, so the plain weight stays too: the
-CPU backend holds the weights twice. The two oneDNN ops are the ones
+weight reordered ahead of time into its blocked layout, takes ~25-30 ms
+(docs/PERF.md). Outside 4-64 rows sgemm is as fast or faster (in the engine,
+one row by ~20%, a 1,000-token prefill by ~10%), so the plain weight stays
+too: the CPU backend holds the weights twice. The two oneDNN ops are the ones
 PyTorch's own compiler uses for CPU linears; they exist where torch was
 built with oneDNN (mkldnn), for float32, bfloat16 and float16 weights.
 """
