@@ -8,6 +8,8 @@ the reference on the original, unquantized cache within the format's error (LOOS
 import pytest
 import torch
 
+from helpers import KERNEL_DEVICE
+
 from kernels.attention import paged_attention_ref
 from kernels.attention_cpu import paged_attention_cpu
 from kernels.attention_triton import paged_attention_triton
@@ -51,16 +53,17 @@ def test_round_trip_within_the_format_bound(fmt):
 def test_int8_rounds_as_the_kernel_divides():
     """A row where 127 * (1 / amax), torch's scalar / tensor, is an ulp below 127 / amax, and
     x * that lands on the other side of a rounding boundary: 2 by a true division, not 1."""
-    x = torch.zeros(1, 1, 16)
-    x[0, 0, 0], x[0, 0, 1] = 2.5812828540802, 0.03048759140074253
-    values, _ = quantize(x, torch.int8)
-    assert values[0, 0, 1] == 2
-    written = []
-    for store in (store_kv_ref, store_kv_triton):
-        cache = [torch.zeros(1, 16, 16, dtype=torch.int8), torch.zeros(1, 16, 16, dtype=torch.int8),
-                 torch.zeros(1, 16, dtype=torch.int32), torch.zeros(1, 16)]
-        store(x, x, *cache, torch.tensor([[3]]), torch.tensor([0]), kv_scales=torch.zeros(1, 16, 2))
-        written.append(cache[0][0, 3])
+    with torch.device(KERNEL_DEVICE):
+        x = torch.zeros(1, 1, 16)
+        x[0, 0, 0], x[0, 0, 1] = 2.5812828540802, 0.03048759140074253
+        values, _ = quantize(x, torch.int8)
+        assert values[0, 0, 1] == 2
+        written = []
+        for store in (store_kv_ref, store_kv_triton):
+            cache = [torch.zeros(1, 16, 16, dtype=torch.int8), torch.zeros(1, 16, 16, dtype=torch.int8),
+                     torch.zeros(1, 16, dtype=torch.int32), torch.zeros(1, 16)]
+            store(x, x, *cache, torch.tensor([[3]]), torch.tensor([0]), kv_scales=torch.zeros(1, 16, 2))
+            written.append(cache[0][0, 3])
     assert torch.equal(*written)
 
 
@@ -68,18 +71,19 @@ def test_int8_rounds_as_the_kernel_divides():
 def test_store_kv_quantizes_as_it_writes(fmt):
     """The Triton store writes exactly what the reference writes: values, scales, positions."""
     T, H, D, num_pages, bs = 6, 3, 80, 4, 16
-    k, v = torch.randn(T, H, D) * 3, torch.randn(T, H, D) * torch.logspace(-4, 0, D)
-    k[1, 2] = 0.0
-    slots = torch.randperm(num_pages * bs)[:T * H].view(T, H)
-    slots[2] = -1   # a padding token
-    positions = torch.arange(T) + 100
-    written = []
-    for store in (store_kv_ref, store_kv_triton):
-        cache = [torch.zeros(num_pages, bs, D, dtype=fmt), torch.zeros(num_pages, bs, D, dtype=fmt),
-                 torch.zeros(num_pages, bs, dtype=torch.int32), torch.ones(num_pages, bs)]
-        scales = torch.zeros(num_pages, bs, 2)
-        store(k, v, *cache, slots, positions, kv_scales=scales)
-        written.append([t.float() for t in (*cache, scales)])   # as values: -0 == 0
+    with torch.device(KERNEL_DEVICE):
+        k, v = torch.randn(T, H, D) * 3, torch.randn(T, H, D) * torch.logspace(-4, 0, D)
+        k[1, 2] = 0.0
+        slots = torch.randperm(num_pages * bs)[:T * H].view(T, H)
+        slots[2] = -1   # a padding token
+        positions = torch.arange(T) + 100
+        written = []
+        for store in (store_kv_ref, store_kv_triton):
+            cache = [torch.zeros(num_pages, bs, D, dtype=fmt), torch.zeros(num_pages, bs, D, dtype=fmt),
+                     torch.zeros(num_pages, bs, dtype=torch.int32), torch.ones(num_pages, bs)]
+            scales = torch.zeros(num_pages, bs, 2)
+            store(k, v, *cache, slots, positions, kv_scales=scales)
+            written.append([t.float() for t in (*cache, scales)])   # as values: -0 == 0
     for ref, tri in zip(*written):
         assert torch.equal(ref, tri)
     k_cache, _, _, _, scales = written[0]
