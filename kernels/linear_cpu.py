@@ -9,8 +9,11 @@ weight reordered ahead of time into its blocked layout, takes ~25-30 ms
 one row by ~20%, a 1,000-token prefill by ~10%), so the plain weight stays
 too: the CPU backend holds the weights twice. The two oneDNN ops are the ones
 PyTorch's own compiler uses for CPU linears; they exist where torch was
-built with oneDNN (mkldnn), for float32, bfloat16 and float16 weights.
+built with oneDNN (mkldnn), for float32 and, on CPUs with the instructions,
+bfloat16 and float16 weights; elsewhere the weights stay plain.
 """
+import functools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -21,7 +24,23 @@ PACKED_ROWS = range(4, 65)   # inputs of other row counts take F.linear
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+    return weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and _onednn_runs(weight.dtype)
+
+
+@functools.cache
+def _onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear runs here in dtype: tried once. Its bfloat16 and float16 paths
+    refuse CPUs without the instructions they need (AVX-512 or AVX-NE-CONVERT, AVX512-FP16),
+    which many laptops lack; torch built without oneDNN has no such ops at all."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 4, dtype=dtype), ROWS_HINT)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(PACKED_ROWS.start, 4, dtype=dtype), packed, None,
+                                           "none", [], "")
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):

@@ -7,7 +7,7 @@ from torch.nn import functional as F
 from helpers import make_tiny_model
 
 import kernels
-from kernels.linear_cpu import PACKED_ROWS, PackedLinear, can_prepack, prepack_linears
+from kernels.linear_cpu import PACKED_ROWS, PackedLinear, _onednn_runs, can_prepack, prepack_linears
 from nanokv import LLM
 from nanokv.config import ModelConfig
 from nanokv.loader import load_model
@@ -41,6 +41,21 @@ def test_prepack_replaces_the_linears_it_can():
     assert isinstance(model[0], PackedLinear) and isinstance(model[1][1], PackedLinear)
     assert isinstance(model[2], nn.Linear) and not can_prepack(model[2].weight)
     torch.testing.assert_close(model[1](model[0](x)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cpu_that_refuses_a_dtype_keeps_its_weights_plain(monkeypatch):
+    """oneDNN refuses bfloat16 and float16 on CPUs without the instructions for them (a
+    RuntimeError): the probe finds out once, and those linears stay as they are."""
+    def refuse(*args):
+        raise RuntimeError("mkldnn_linear: bf16 path needs the cpu support avx_ne_convert or avx512bw, ...")
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", refuse)
+    _onednn_runs.cache_clear()
+    try:
+        model = nn.Sequential(nn.Linear(8, 8).bfloat16())
+        prepack_linears(model)
+        assert type(model[0]) is nn.Linear
+    finally:
+        _onednn_runs.cache_clear()   # the next test probes the real op again
 
 
 def test_a_prepacked_model_computes_the_same_logits(tmp_path):
