@@ -183,7 +183,8 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
     return dict(
         fits=fits, requests=len(requests), output_tokens=tokens, wall_s=wall,
         tokens_per_s=tokens / wall if fits else None,
-        peak_kv_gb=peak_blocks * KVCache.bytes_per_block(llm.model_config, blocks.block_size, llm.runner.kv_dtype)
+        peak_kv_gb=peak_blocks * KVCache.bytes_per_block(llm.model_config, blocks.block_size, llm.runner.kv_dtype,
+                                                                llm.runner.device)
         / 1e9,
         cuda_max_allocated_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
         decode_ms_per_step=1e3 * timings.decode_s / steps if steps else None,
@@ -200,7 +201,7 @@ def run_context(args, llm) -> dict:
     device = llm.runner.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"cpu, {torch.get_num_threads()} torch threads"
-    per_block = KVCache.bytes_per_block(llm.model_config, llm.config.block_size, llm.runner.kv_dtype)
+    per_block = KVCache.bytes_per_block(llm.model_config, llm.config.block_size, llm.runner.kv_dtype, llm.runner.device)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip() or None

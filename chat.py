@@ -11,6 +11,8 @@ import argparse
 import sys
 import time
 
+import torch
+
 from nanokv import LLM, SamplingParams
 
 HELP = "commands: /reset  /system TEXT  /stats  /quit"
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
         llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
-    except (ValueError, OSError, TypeError) as e:
+    except (ValueError, OSError, TypeError, torch.OutOfMemoryError) as e:
         sys.exit(f"chat.py: {e}")
     interactive = sys.stdin.isatty()
     if interactive:

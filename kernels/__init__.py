@@ -1,46 +1,130 @@
 """The hot ops of the model, each a plain function on tensors.
 
 Every op has a torch reference (`*_ref`), which runs on any device and is the
-oracle its Triton kernel is tested against. One switch picks the backend for
-the whole process: NANOKV_KERNELS=torch|triton|cpu, by default Triton when
-CUDA is available and "cpu" otherwise. "cpu" is the references where they
-are already fast, and kernels/*_cpu.py where a CPU wants another formulation
-(tested against the same references); "torch" is the references alone.
+oracle its Triton kernel is tested against. Three backends serve the ops:
+"triton" (the kernels), "cpu" (the references where they are already fast,
+and kernels/*_cpu.py where a CPU wants another formulation, tested against the
+same references) and "torch" (the references alone). An op takes the backend
+of the device its tensors are on: Triton on CUDA, "cpu" elsewhere, so a CPU
+engine on a machine with a GPU runs the CPU path. NANOKV_KERNELS (or
+set_backend) forces one backend for every device. This package is the only
+place that knows which backend runs: the engine asks the questions below
+(check_device, decode_workspace_for, plan_step, ...) and never reads the name.
 """
+from __future__ import annotations
+
+import functools
 import os
+from typing import Callable, NamedTuple
 
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention import paged_attention_ref
-from kernels.attention_cpu import paged_attention_cpu
+from kernels.attention_cpu import StepPlan, make_plan, paged_attention_cpu
 from kernels.attention_triton import paged_attention_triton
 from kernels.compact import compact_kv
-from kernels.decode_attention import (MIN_SPLIT, DecodeWorkspace, decode_workspace, logits_scratch,
+from kernels.decode_attention import (MIN_SPLIT, DecodeWorkspace, decode_workspace, logits_scratch as _logits_scratch,
                                       paged_decode_attention_triton)
 from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
-from kernels.kv_store import store_kv_ref, store_kv_triton
+from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.linear_cpu import PackedLinear, can_prepack, prepack_linears
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
 
-
-def set_backend(name: str) -> None:
-    """Bind the public ops to the Triton kernels ("triton"), the CPU path ("cpu") or the references ("torch")."""
-    global BACKEND, TRITON, silu_and_mul, store_kv, rms_norm, add_rms_norm, apply_rope
-    if name not in ("torch", "triton", "cpu"):
-        raise ValueError(f"unknown kernel backend {name!r}; use 'torch', 'triton' or 'cpu'")
-    BACKEND, TRITON = name, name == "triton"
-    silu_and_mul = silu_and_mul_triton if TRITON else silu_and_mul_ref
-    store_kv = store_kv_triton if TRITON else store_kv_cpu if name == "cpu" else store_kv_ref
-    rms_norm = rms_norm_triton if TRITON else rms_norm_ref
-    add_rms_norm = add_rms_norm_triton if TRITON else add_rms_norm_ref
-    apply_rope = apply_rope_triton if TRITON else apply_rope_cpu if name == "cpu" else apply_rope_ref
+BACKENDS = ("torch", "triton", "cpu")
+TRITON_MIN_BLOCK_SIZE = 16   # the smallest tile tl.dot compiles on a GPU
 
 
-set_backend(os.environ.get("NANOKV_KERNELS") or ("triton" if torch.cuda.is_available() else "cpu"))
+class Ops(NamedTuple):
+    silu_and_mul: Callable
+    store_kv: Callable
+    rms_norm: Callable
+    add_rms_norm: Callable
+    apply_rope: Callable
+
+
+_OPS = {
+    "torch": Ops(silu_and_mul_ref, store_kv_ref, rms_norm_ref, add_rms_norm_ref, apply_rope_ref),
+    "cpu": Ops(silu_and_mul_ref, store_kv_cpu, rms_norm_ref, add_rms_norm_ref, apply_rope_cpu),
+    "triton": Ops(silu_and_mul_triton, store_kv_triton, rms_norm_triton, add_rms_norm_triton, apply_rope_triton),
+}
+_forced: str | None = None
+
+
+def set_backend(name: str | None) -> None:
+    """Force one backend ("torch", "triton" or "cpu") for every device; None: each device's own."""
+    global _forced
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; use one of {', '.join(BACKENDS)} (or None: by device)")
+    _forced = name
+
+
+def forced_backend() -> str | None:
+    return _forced
+
+
+set_backend(os.environ.get("NANOKV_KERNELS") or None)
+
+
+def backend(device: torch.device | str) -> str:
+    """The backend that serves tensors on device."""
+    return _forced or ("triton" if torch.device(device).type == "cuda" else "cpu")
+
+
+def _ops(x: torch.Tensor) -> Ops:
+    return _OPS[_forced or ("triton" if x.is_cuda else "cpu")]
+
+
+def check_device(device: torch.device, block_size: int) -> None:
+    """A ValueError if the backend of device cannot serve an engine there with this block size."""
+    name = backend(device)
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"the Triton kernels (NANOKV_KERNELS=triton) run on CUDA devices or in Triton's "
+                         f"interpreter (TRITON_INTERPRET=1); the engine's device is {device}: "
+                         "use NANOKV_KERNELS=cpu or torch, or leave it unset")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"the CPU kernels (NANOKV_KERNELS=cpu) run on the CPU; the engine's device is {device}: "
+                         "use NANOKV_KERNELS=triton or torch, or leave it unset")
+    if name == "triton" and block_size < TRITON_MIN_BLOCK_SIZE:
+        raise ValueError(f"block_size must be >= {TRITON_MIN_BLOCK_SIZE} with the Triton kernels, got {block_size} "
+                         "(NANOKV_KERNELS=torch takes any power of two)")
+
+
+def captures_graphs(device: torch.device) -> bool:
+    """Whether decode steps on device can replay CUDA graphs: the Triton kernels never
+    synchronise with the host; the references do."""
+    return device.type == "cuda" and backend(device) == "triton"
+
+
+def packs_weights(device: torch.device) -> bool:
+    """Whether the backend of device wants the linears' weights prepacked (kernels/linear_cpu.py)."""
+    return backend(device) == "cpu"
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _ops(gate_up).silu_and_mul(gate_up)
+
+
+def store_kv(k, v, k_cache, v_cache, pos_cache, score_cache, slot_mapping, positions, kv_scales=None) -> None:
+    _ops(k).store_kv(k, v, k_cache, v_cache, pos_cache, score_cache, slot_mapping, positions, kv_scales=kv_scales)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _ops(x).rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    return _ops(x).add_rms_norm(x, residual, weight, eps)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    _ops(q).apply_rope(q, k, positions, cos_sin)
+
+
+# ----- flash-decoding's launch and scratch -------------------------------------------------
 
 # Decode: enough (sequence, KV head, split) programs to fill the GPU several times over.
 # A program of the 16-bit decode kernel at head_dim 128 takes ~72 KB of shared memory for
@@ -54,27 +138,63 @@ def decode_programs_per_sm(capability_major: int) -> int:
     return 3 if capability_major >= 9 else 2
 
 
-if torch.cuda.is_available():
-    _gpu = torch.cuda.get_device_properties(0)
-    DECODE_PROGRAMS = DECODE_WAVES * decode_programs_per_sm(_gpu.major) * _gpu.multi_processor_count
-else:
-    DECODE_PROGRAMS = DECODE_WAVES   # the interpreter: a few splits, so tests see several
+@functools.cache
+def decode_programs(device: torch.device) -> int:
+    """The programs one flash-decoding launch on device aims for: DECODE_WAVES waves of its
+    SMs (the interpreter on a CPU: a few, so tests see several splits)."""
+    if device.type != "cuda":
+        return DECODE_WAVES
+    gpu = torch.cuda.get_device_properties(device)
+    return DECODE_WAVES * decode_programs_per_sm(gpu.major) * gpu.multi_processor_count
 
 
-def decode_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int) -> int:
+def decode_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
     """Splits per (sequence, KV head) for flash-decoding: enough programs for DECODE_WAVES
     waves, and no more than a context of max_context_len can use (each split holds at
     least MIN_SPLIT slots). Depends on shapes only, so CUDA graphs (which pass
-    max_model_len) and eager steps of one batch size compile and launch alike."""
-    wanted = -(-DECODE_PROGRAMS // (batch_size * num_kv_heads))
+    max_model_len) and eager steps of one batch size compile and launch alike. An eager
+    step's bound can be lower (its longest context: fewer splits) or higher (a head whose
+    own pages reach past max_model_len, kvcompress), so at long contexts graphed and eager
+    steps can sum their splits in another order: equal up to the last bits."""
+    wanted = -(-decode_programs(device) // (batch_size * num_kv_heads))
     return max(1, min(wanted, -(-max_context_len // MIN_SPLIT)))
 
 
+def decode_partials(max_num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """The most (sequence, split) pairs a flash-decoding call of up to max_num_seqs sequences
+    uses on device, whatever their contexts: unbounded contexts take the most splits, so no
+    bound is needed, and it is at most decode_programs / Hkv + max_num_seqs."""
+    return max(b * decode_num_splits(b, num_kv_heads, 2**62, device) for b in range(1, max_num_seqs + 1))
+
+
 def decode_workspace_for(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                         max_context_len: int, device) -> DecodeWorkspace:
-    """The split partials for every decode batch of up to max_num_seqs sequences."""
-    most = max(b * decode_num_splits(b, num_kv_heads, max_context_len) for b in range(1, max_num_seqs + 1))
-    return decode_workspace(most * num_heads, head_dim, device)
+                         device: torch.device) -> DecodeWorkspace | None:
+    """Flash-decoding's split partials for every decode batch of up to max_num_seqs sequences
+    (a few MB), allocated once; None where the Triton kernels do not run."""
+    if backend(device) != "triton":
+        return None
+    return decode_workspace(decode_partials(max_num_seqs, num_kv_heads, device) * num_heads, head_dim, device)
+
+
+def logits_scratch(num_pages: int, group: int, block_size: int, device: torch.device) -> torch.Tensor | None:
+    """Where a scored Triton decode keeps its raw logits (kernels/decode_attention.py); None elsewhere."""
+    if backend(device) != "triton":
+        return None
+    return _logits_scratch(num_pages, group, block_size, device)
+
+
+def scratch_bytes_per_slot(group: int, device: torch.device) -> int:
+    """What logits_scratch takes per slot of the pool on device."""
+    return 4 * group if backend(device) == "triton" else 0
+
+
+def plan_step(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+              block_size: int, dtype: torch.dtype, scores: bool) -> StepPlan | None:
+    """The CPU backend's gathers and masks for every layer of a step (kernels/attention_cpu.py),
+    built once per step; None for the other backends, which need none."""
+    if backend(block_tables.device) != "cpu":
+        return None
+    return make_plan(block_tables, cu_seqlens_q, context_lens, block_size, dtype, scores)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *,
@@ -99,16 +219,17 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     query each (the runner orders them first): they go to flash-decoding, the rest
     to the prefill kernel. logits and workspace: flash-decoding's scratch
     (kernels/decode_attention.py), allocated per call if None; cpu_plan: the CPU
-    backend's plan of this layer (kernels/attention_cpu.py, StepPlan.layer), built per call if None.
+    backend's plan of this layer (plan_step, StepPlan.layer), built per call if None.
     kv_scales: the scales of an int8 or fp8 cache (kernels/kv_store.py), None for an unquantized one.
     """
-    if BACKEND == "cpu":
+    name = _forced or ("triton" if q.is_cuda else "cpu")
+    if name == "cpu":
         return paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
                                    score_cache=score_cache, score_from=score_from, plan=cpu_plan,
                                    kv_scales=kv_scales, square_scores=square_scores, score_skip=score_skip,
                                    positions=positions, pos_cache=pos_cache)
     want_lse = score_cache is not None
-    if not TRITON:
+    if name == "torch":
         result = paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
                                      return_lse=want_lse, kv_scales=kv_scales)
         if want_lse:
@@ -123,7 +244,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     def part(per_seq, which: slice):   # the decodes' or the chunks' part of a per-sequence tensor, or None
         return None if per_seq is None else per_seq[which]
     if num_decodes:
-        splits = decode_num_splits(num_decodes, block_tables.shape[1], max_context_len)
+        splits = decode_num_splits(num_decodes, block_tables.shape[1], max_context_len, q.device)
         decodes = slice(None, num_decodes)
         paged_decode_attention_triton(q[decodes], k_cache, v_cache, block_tables[decodes],
                                       context_lens[decodes], scale, splits, score_cache=score_cache,
@@ -148,6 +269,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     return out
 
 
-__all__ = ["BACKEND", "add_rms_norm", "apply_rope", "compact_kv", "decode_num_splits", "decode_workspace_for",
-           "logits_scratch", "paged_attention", "rms_norm",
-           "rope_cos_sin_cache", "silu_and_mul", "store_kv"]
+__all__ = ["BACKENDS", "QUANT_MAX", "DecodeWorkspace", "PackedLinear", "StepPlan", "add_rms_norm", "apply_rope",
+           "backend", "can_prepack", "captures_graphs", "check_device", "compact_kv", "decode_num_splits",
+           "decode_partials", "decode_programs", "decode_workspace_for", "dequantize", "forced_backend", "logits_scratch",
+           "packs_weights", "paged_attention", "plan_step", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
+           "set_backend", "silu_and_mul", "store_kv"]

@@ -238,8 +238,8 @@ def _paged_attention_kernel(
 
 def kv_tile(dtype: torch.dtype, quantized: bool = False) -> tuple[int, int]:
     """(BLOCK_N, num_warps) for a loop over key tiles: exact fp32 dots take smaller tiles
-    over more warps, else they spill (kernels/compile_check.py); so does flash-decoding's
-    conversion of 8-bit tiles at head_dim 128 on sm_90 with 4 warps."""
+    over more warps, else they spill (kernels/compile_check.py); so do the conversions of
+    8-bit tiles at head_dim 128 with 4 warps (flash-decoding on sm_90, key scores on sm_80)."""
     if dtype == torch.float32:
         return FP32_BLOCK_N, 8
     return BLOCK_N, 8 if quantized else 4

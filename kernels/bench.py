@@ -65,7 +65,7 @@ def decode_times(batch: int, ctx: int, int8: bool = False) -> tuple[float, float
     hq, hkv, d, block = 32, 8, 128, 16
     k, v, tables, lens = paged_kv(batch, ctx, hkv, d, block, torch.bfloat16)
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-    splits = decode_num_splits(batch, hkv, ctx)
+    splits = decode_num_splits(batch, hkv, ctx, q.device)
     work = decode_workspace(batch * hq * splits, d, "cuda")
     cache, scales = (k, v), None
     if int8:
@@ -147,13 +147,14 @@ def bench_decode_step(bw: float) -> list[str]:
     model = random_model("llama-3.1-8b", torch.bfloat16, "cuda", max_len)
     cfg = model.config
     per_seq = max_len // block
-    cache = KVCache(cfg, batch * per_seq, block, torch.bfloat16, torch.device("cuda"))
+    device = torch.device("cuda", torch.cuda.current_device())
+    cache = KVCache(cfg, batch * per_seq, block, torch.bfloat16, device)
     cache.k.normal_()
     cache.v.normal_()
-    workspace = decode_workspace_for(batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, max_len, "cuda")
+    workspace = decode_workspace_for(batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device)
     graphs = DecodeGraphs(model, cache, workspace, batch, per_seq, max_len)
     blocks = torch.arange(batch * per_seq, device="cuda").view(batch, per_seq)
-    tables = cache.pages(blocks).transpose(0, 1).contiguous()           # [L, B, Hkv, nb]: each head's pages
+    tables = cache.batch_pages(blocks)                                   # [L, B, Hkv, nb]: each head's pages
     ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
     positions = torch.full((batch,), ctx - 1, device="cuda")
     slots = tables[..., (ctx - 1) // block].long() * block + (ctx - 1) % block

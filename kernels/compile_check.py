@@ -11,8 +11,10 @@ the engine launches. For every kernel the check reads registers, spills and
 local memory (cuobjdump on the cubin), shared memory, warps and stages, and
 whether the attention kernels double-buffer K and V (two K/V tiles allocated
 in shared memory in the TTGIR: loads of the next tile overlap the math on
-this one). `problems()` says what is wrong; tests/test_compile_check.py
-asserts there is nothing.
+this one), and whether the loads whose row offsets can pass 2**31 elements
+(a step of ~350k tokens, a pool of 2**31 slots) compute them in 64 bits (the
+TTIR, whose values carry the source's names). `problems()` says what is wrong;
+tests/test_compile_check.py asserts there is nothing.
 
 Needs the real (not interpreted) Triton: run it without TRITON_INTERPRET.
 """
@@ -33,6 +35,10 @@ import torch
 # Shared memory one program may use (the opt-in per-block maximum).
 SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
 ATTENTION_KERNELS = ("_paged_attention_kernel", "_decode_split_kernel")
+# Per kernel, the loaded tensors whose address has a row (token or page) times a stride
+# that can pass 2**31 elements: the offset must be built in 64 bits.
+WIDE_ROWS = {"_paged_attention_kernel": ("q", "k", "v"), "_accumulate_key_scores_kernel": ("q", "k"),
+             "_decode_split_kernel": ("k", "v")}
 
 
 @dataclass
@@ -46,6 +52,7 @@ class CompiledKernel:
     num_warps: int
     num_stages: int
     kv_buffers: int      # K/V tiles in shared memory, per operand (0: loaded straight to registers)
+    narrow_rows: list[str]   # of WIDE_ROWS, the tensors whose row offsets are not built in 64 bits
 
 
 class StandInDriver:
@@ -91,6 +98,12 @@ def _kv_buffers(ttgir: str) -> int:
     return min(map(int, depths)) if len(depths) >= 2 else 0
 
 
+def _narrow_rows(kernel: str, ttir: str) -> list[str]:
+    """The tensors of WIDE_ROWS[kernel] whose pointers take no 64-bit offset anywhere."""
+    return [name for name in WIDE_ROWS.get(kernel, ())
+            if not re.search(rf"%{name}\w* = tt\.addptr [^\n]*[x ]i64>?( |$)", ttir, re.MULTILINE)]
+
+
 def compile_cases(arch: int, cases: dict[str, Callable[[], None]]) -> list[CompiledKernel]:
     """Run each case with every Triton launch compiled for `arch` instead of run.
 
@@ -121,13 +134,13 @@ def compile_cases(arch: int, cases: dict[str, Callable[[], None]]) -> list[Compi
         registers, local = _resources(kernel.asm["cubin"])
         records.append(CompiledKernel(case, kernel_name, arch, registers, local, kernel.metadata.shared,
                                       kernel.metadata.num_warps, kernel.metadata.num_stages,
-                                      _kv_buffers(kernel.asm["ttgir"])))
+                                      _kv_buffers(kernel.asm["ttgir"]), _narrow_rows(kernel_name, kernel.asm["ttir"])))
     return records
 
 
 def problems(record: CompiledKernel) -> list[str]:
-    """What is wrong with one compiled kernel: spills, too much shared memory, or 16-bit
-    attention that does not overlap its K/V loads with the math."""
+    """What is wrong with one compiled kernel: spills, too much shared memory, 16-bit
+    attention that does not overlap its K/V loads with the math, or 32-bit row offsets."""
     found = []
     where = f"{record.kernel} [{record.case}] on sm_{record.arch}"
     if record.local_bytes:
@@ -137,6 +150,8 @@ def problems(record: CompiledKernel) -> list[str]:
                      f"{SHARED_LIMIT[record.arch]}")
     if record.kernel in ATTENTION_KERNELS and "fp32" not in record.case and record.kv_buffers < 2:
         found.append(f"{where}: K/V single-buffered ({record.kv_buffers} tiles): loads do not overlap the math")
+    if record.narrow_rows:
+        found.append(f"{where}: the row offsets of {', '.join(record.narrow_rows)} are 32-bit (wrap past 2**31)")
     return found
 
 
@@ -184,7 +199,7 @@ def _attention_case(kind: str, shape: str, dtype: str, block_size: int, query_le
                         pos_cache=torch.zeros(num_pages, block_size, dtype=torch.int32)) if skip else {}
         q = _qkv(tokens, hq, hkv, d, dt)[0]
         if kind == "decode":
-            paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.1, decode_num_splits(2, hkv, 4096),
+            paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, 0.1, decode_num_splits(2, hkv, 4096, torch.device("cpu")),
                                           score_cache=score_cache if scores else None, kv_scales=kv_scales,
                                           square_scores=squares, **skipping)
             return

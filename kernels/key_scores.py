@@ -138,15 +138,17 @@ def _accumulate_key_scores_kernel(
     # Query j sees slot s iff s <= prefix_len + j: queries before j = first_slot - prefix_len
     # see none of this tile, and those before score_from count for nothing, so the loop starts there.
     first_counted = tl.maximum(tl.load(score_from_ptr + seq), 0)
+    # q's chunk in 64 bits: the step's rows of the fused qkv pass 2**31 elements at ~350k
+    # tokens (Llama-8B), rows within one sequence's chunk never; lse's [T, Hq] rows are short.
+    q_chunk = q_ptr + q_start.to(tl.int64) * stride_q_t
     for first_query in range(tl.maximum(first_slot - prefix_len, first_counted), q_len, BLOCK_Q):
         queries = first_query + rows // G
         row_mask = (rows < BLOCK_Q * G) & (queries < q_len)
-        q = tl.load(q_ptr + (q_start + queries[:, None]) * stride_q_t + q_heads[:, None] * stride_q_h
+        q = tl.load(q_chunk + queries[:, None] * stride_q_t + q_heads[:, None] * stride_q_h
                     + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
         if DOT_IN_FP32:
             q = q.to(tl.float32)
-        lse = tl.load(lse_ptr + (q_start + queries) * stride_lse_t + q_heads * stride_lse_h,
-                      mask=row_mask, other=0.0)
+        lse = tl.load(lse_ptr + (q_start + queries) * stride_lse_t + q_heads * stride_lse_h, mask=row_mask, other=0.0)
         # "ieee" keeps fp32 dots out of TF32; fp16/bf16 dots are exact products either way.
         logits = tl.dot(q, tl.trans(k), input_precision="ieee") * (scale * k_scale)[None, :]
         visible = (slots[None, :] <= prefix_len + queries[:, None]) & row_mask[:, None] & slot_mask[None, :]
@@ -200,7 +202,7 @@ def accumulate_key_scores_triton(q: torch.Tensor, k_cache: torch.Tensor, score_c
     # Exact fp32 dots need small tiles not to spill (kernels/compile_check.py).
     fp32 = q.dtype == torch.float32
     block_m = max(16, triton.next_power_of_2(G), min(16 if fp32 else 64, triton.next_power_of_2(max_query_len * G)))
-    block_n, num_warps = kv_tile(q.dtype)
+    block_n, num_warps = kv_tile(q.dtype, quantized=kv_scales is not None)
     if fp32:
         block_n //= 2   # the K tile stays in registers for the whole loop
     grid = (B, triton.cdiv(max_context_len, block_n), Hkv)

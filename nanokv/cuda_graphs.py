@@ -59,6 +59,15 @@ class DecodeGraphs:
                 self.graphs[bs, scores] = graph
         torch.cuda.synchronize()
 
+    @staticmethod
+    def buffer_bytes(num_layers: int, num_kv_heads: int, max_num_seqs: int, max_model_len: int, block_size: int,
+                     hidden_size: int) -> int:
+        """The static inputs' memory (the page tables dominate), counted before the pool is sized;
+        the hidden states at 4 bytes an element, the most a model dtype takes."""
+        heads = num_layers * max_num_seqs * num_kv_heads   # slots (int64), lengths and page tables (int32)
+        per_seq = 8 + 8 + 4 + 4 + 1 + 4 + 4 * hidden_size   # ids, positions, cu_seqlens, score_from, square, skip
+        return heads * (8 + 4 + 4 * -(-max_model_len // block_size)) + max_num_seqs * per_seq + 4
+
     def _metadata(self, bs: int, scores: bool) -> AttentionMetadata:
         return AttentionMetadata(slot_mapping=self.slot_mapping[:, :bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
                                  context_lens=self.context_lens[:, :bs], block_tables=self.block_tables[:, :bs],

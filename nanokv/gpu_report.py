@@ -6,7 +6,8 @@ GPU time is rare (a lent machine, 30 minutes, no network), so one command does
 it all within 9 minutes: the gpu-marked tests, the kernel tests compiled, the
 kernel benchmarks (against the measured copy bandwidth and torch SDPA), paper
 mode on a Llama-3.1-8B shape and workload mode on a Qwen3-0.6B shape, both
-with random weights. Each part runs in its own process with its own time
+with random weights, and a short graphed run with scored steps and an fp8 cache
+under compute-sanitizer's memcheck (every kernel's memory accesses). Each part runs in its own process with its own time
 limit, so a part that fails or runs out of time is reported as such and the
 others still run. The report (device, driver, versions, date, commit, each
 command with its exit status, time and output) is ready to paste into
@@ -16,10 +17,11 @@ from __future__ import annotations
 
 import datetime
 import platform
+import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,11 +30,15 @@ KERNEL_TESTS = ["tests/test_attention_triton.py", "tests/test_key_scores.py", "t
 OUTPUT_TAIL = 6000   # characters of a part's output kept in the report
 
 
+SANITIZER = "compute-sanitizer"   # the CUDA toolkit's; on PATH or in /usr/local/cuda/bin
+
+
 @dataclass
 class Part:
     title: str
     args: list[str]      # run as `python ARGS...` from the repository root
     timeout_s: int
+    launcher: list[str] = field(default_factory=list)   # a command that runs the python (a sanitizer)
 
 
 @dataclass
@@ -44,24 +50,50 @@ class Outcome:
 
 
 def parts() -> list[Part]:
-    """The report's parts, in order; their limits add up to 8 minutes."""
+    """The report's parts, in order; their limits add up to 8 minutes 35 s."""
     return [
-        Part("gpu-marked tests", ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], 100),
+        Part("gpu-marked tests", ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider"], 90),
         Part("kernel tests, compiled on the GPU", ["-m", "pytest", "-q", "-m", "not gpu", "-p", "no:cacheprovider",
                                                    *KERNEL_TESTS], 60),
-        Part("kernel benchmarks", ["-m", "kernels.bench", "--quick"], 90),
+        Part("kernel benchmarks", ["-m", "kernels.bench", "--quick"], 85),
         Part("paper mode, Llama-3.1-8B shape (random weights), output shortened to 128 tokens",
-             ["bench.py", "--preset", "gpu-paper"], 150),
+             ["bench.py", "--preset", "gpu-paper"], 140),
         Part("workload mode, Qwen3-0.6B shape (random weights): uniform and uneven eviction",
              ["bench.py", "--mode", "workload", "--random-weights", "qwen3-0.6b", "--methods", "full", "batchmax",
               "kvcompress", "--budgets", "512"], 80),
+        Part("compute-sanitizer memcheck: a short graphed run, scored steps, fp8 cache",
+             ["-c", "from nanokv.gpu_report import short_run; short_run()"], 60,
+             launcher=[SANITIZER, "--tool", "memcheck", "--error-exitcode", "1"]),
     ]
+
+
+def short_run() -> None:
+    """A few decode steps replayed from CUDA graphs, scoring for eviction and evicting, on an
+    fp8 cache (a small random model): what the memcheck part runs."""
+    from nanokv import LLM, SamplingParams
+    llm = LLM("random:smollm2-135m", kv_cache_dtype="fp8", max_model_len=256, max_num_seqs=4, kv_cache_gb=0.05)
+    prompts = [list(range(1, 1 + n)) for n in (40, 100)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True, kv_method="batchmax", kv_budget=64,
+                                                evict_every=16))
+    print(f"{sum(len(o.token_ids) for o in outs)} tokens, graphs: {llm.runner.graphs is not None}")
+
+
+def _launcher(part: Part) -> list[str] | None:
+    """part's launcher with its program found, None if it is not installed."""
+    if not part.launcher:
+        return []
+    program = shutil.which(part.launcher[0]) or shutil.which(part.launcher[0], path="/usr/local/cuda/bin")
+    return None if program is None else [program, *part.launcher[1:]]
 
 
 def run_part(part: Part, python: str = sys.executable) -> Outcome:
     start = time.perf_counter()
+    launcher = _launcher(part)
+    if launcher is None:
+        return Outcome(part, 127, 0.0, f"{part.launcher[0]} not found (on PATH or in /usr/local/cuda/bin): "
+                                       "install the CUDA toolkit to run this part")
     try:
-        done = subprocess.run([python, *part.args], cwd=ROOT, capture_output=True, text=True,
+        done = subprocess.run([*launcher, python, *part.args], cwd=ROOT, capture_output=True, text=True,
                               timeout=part.timeout_s)
         returncode, output = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as killed:
@@ -103,7 +135,8 @@ def section(outcome: Outcome) -> str:
     output = outcome.output.strip()
     if len(output) > OUTPUT_TAIL:
         output = "[...]\n" + output[-OUTPUT_TAIL:]
-    return (f"## {part.title}\n\n`python {' '.join(part.args)}`: {status}, {outcome.wall_s:.0f} s\n\n"
+    command = " ".join([*part.launcher, "python", *part.args])
+    return (f"## {part.title}\n\n`{command}`: {status}, {outcome.wall_s:.0f} s\n\n"
             f"```\n{output or '(no output)'}\n```\n")
 
 

@@ -23,8 +23,7 @@ from collections import OrderedDict
 import torch
 
 import kernels
-from kernels import logits_scratch
-from kernels.kv_store import QUANT_MAX
+from kernels import QUANT_MAX
 from nanokv.config import ModelConfig
 from nanokv.prefix_cache import PrefixCache
 
@@ -45,19 +44,21 @@ class KVCache:
         self.v = torch.zeros_like(self.k)
         self.positions = torch.zeros(shape, dtype=torch.int32, device=device)
         self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.logits = None
-        if kernels.BACKEND == "triton":
-            self.logits = logits_scratch(shape[0], model.num_heads // model.num_kv_heads, block_size, device)
+        self.logits = kernels.logits_scratch(shape[0], model.num_heads // model.num_kv_heads, block_size, device)
         quantized = dtype in QUANT_MAX
         self.kv_scales = torch.zeros(*shape, 2, device=device) if quantized else None
         layers = torch.arange(self.num_layers, device=device)[:, None, None]
         heads = torch.arange(self.num_kv_heads, device=device)[None, :, None]
-        self._page_offsets = layers * num_blocks * self.num_kv_heads + heads   # [L, Hkv, 1]
+        self._page_offsets = (layers * num_blocks * self.num_kv_heads + heads).int()   # [L, Hkv, 1]
 
     def pages(self, blocks: torch.Tensor) -> torch.Tensor:
         """Block ids [..., nb] -> their pages [..., L, Hkv, nb]: each head's page table."""
-        blocks = blocks.to(torch.int32)[..., None, None, :]
-        return blocks * self.num_kv_heads + self._page_offsets.to(torch.int32)
+        return blocks.to(torch.int32)[..., None, None, :] * self.num_kv_heads + self._page_offsets
+
+    def batch_pages(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Block ids [B, nb] -> the step's page tables [L, B, Hkv, nb], layer first as the
+        kernels read them, built in one allocation."""
+        return (blocks.to(torch.int32) * self.num_kv_heads)[None, :, None] + self._page_offsets[:, None]
 
     @property
     def per_slot(self) -> tuple[torch.Tensor, ...]:
@@ -76,12 +77,12 @@ class KVCache:
         self.scores[dst_pages] = 0.0
 
     @staticmethod
-    def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
         """Memory of one block: K and V (and their two fp32 scales if quantized), position,
         score and (Triton) the logits scratch of its G query heads, in every page."""
         kv = 2 * model.head_dim * dtype.itemsize
         metadata = 4 + 4 + (2 * 4 if dtype in QUANT_MAX else 0)
-        logits = 4 * (model.num_heads // model.num_kv_heads) if kernels.BACKEND == "triton" else 0
+        logits = kernels.scratch_bytes_per_slot(model.num_heads // model.num_kv_heads, device)
         return model.num_layers * model.num_kv_heads * block_size * (kv + metadata + logits)
 
 

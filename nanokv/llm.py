@@ -60,6 +60,15 @@ class _Request:
     streamed: int = 0   # characters of `text` already handed out
 
 
+def engine_device(name: str | torch.device | None) -> torch.device:
+    """The engine's device: as given (None: cuda if available, else cpu), a CUDA one with its
+    index, which everything on it is launched on (a bare "cuda" is the current device)."""
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class LLM:
     def __init__(self, model: str | None = None, dtype: torch.dtype | str = "auto", **options):
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -72,10 +81,8 @@ class LLM:
         make_method(cfg.kv_method, cfg.kv_schedule, cfg.kv_budget, cfg.evict_every, cfg.block_size,
                     sinks=cfg.kv_sinks, recent=cfg.kv_recent, window=cfg.kv_window,
                     pool=cfg.kv_pool, score_all=cfg.kv_score_all)   # check the defaults now
-        if kernels.BACKEND == "triton" and cfg.block_size < 16:
-            raise ValueError(f"block_size must be >= 16 with the Triton kernels, got {cfg.block_size} "
-                             "(NANOKV_KERNELS=torch takes any power of two)")
-        device = torch.device(self.config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = engine_device(self.config.device)
+        kernels.check_device(device, cfg.block_size)
         self.dtype = resolve_dtype(self.config.dtype, device)
         if model is not None and model.startswith(shapes.RANDOM_PREFIX):   # timing: no files, no tokenizer
             shape = model.removeprefix(shapes.RANDOM_PREFIX)

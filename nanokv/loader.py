@@ -92,6 +92,10 @@ def load_weights(model: Decoder, path: Path) -> None:
                                          f"the config implies {tuple(piece.shape)}")
                     piece.copy_(tensor)
                     rows_loaded[target] += tensor.shape[0]
+        except torch.OutOfMemoryError as e:   # a RuntimeError too, but not the file's fault
+            raise torch.OutOfMemoryError(
+                f"out of memory while loading {file.name} onto the device: the model does not fit next to what is "
+                f"already there; use a smaller dtype or model, or free memory ({e})") from e
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ValueError(f"cannot read weights from {file}: {e}. The file may be truncated "
                              "or corrupt: delete it and download it again.") from e

@@ -18,6 +18,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
+import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=server_args["log_level"].upper(), format="%(levelname)s:     %(message)s")
     try:
         llm = LLM(args["model"], **options)
-    except (ValueError, OSError, TypeError) as error:
+    except (ValueError, OSError, TypeError, torch.OutOfMemoryError) as error:
         raise SystemExit(f"nanokv.serve: {error}") from None
     name = server_args["served_model_name"] or args["model"] or BUNDLED_MODEL_NAME
     app = build_app(llm, name, server_args["api_key"])

@@ -399,7 +399,7 @@ def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
     monkeypatch.setattr(kernels, "paged_decode_attention_triton",
                         lambda q, *args, **kw: launched.append(q.shape[0]) or real_decode(q, *args, **kw))
     results = {}
-    before = kernels.BACKEND
+    before = kernels.forced_backend()
     try:
         for backend in ("torch", "triton"):
             kernels.set_backend(backend)

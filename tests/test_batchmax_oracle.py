@@ -242,7 +242,7 @@ def gqa(tmp_path_factory):
 @pytest.fixture(params=["cpu", "torch"])
 def backend(request):
     """Engine tests that run on both CPU kernel backends: the CPU path and the references."""
-    before = kernels.BACKEND
+    before = kernels.forced_backend()
     kernels.set_backend(request.param)
     yield request.param
     kernels.set_backend(before)

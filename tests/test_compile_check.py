@@ -36,9 +36,14 @@ def test_decode_programs_per_sm_holds(compiled):
 
 
 def test_problems_are_reported():
-    """The checks themselves: a spill, too much shared memory, a single K/V buffer."""
-    from kernels.compile_check import CompiledKernel
-    fine = CompiledKernel("decode, bf16", "_decode_split_kernel", 90, 96, 0, 72 * 1024, 4, 3, 2)
+    """The checks themselves: a spill, too much shared memory, a single K/V buffer, 32-bit rows."""
+    from kernels.compile_check import CompiledKernel, _narrow_rows
+    fine = CompiledKernel("decode, bf16", "_decode_split_kernel", 90, 96, 0, 72 * 1024, 4, 3, 2, [])
     assert problems(fine) == []
-    bad = CompiledKernel("decode, bf16", "_decode_split_kernel", 80, 255, 8, 200 * 1024, 4, 3, 1)
-    assert len(problems(bad)) == 3
+    bad = CompiledKernel("decode, bf16", "_decode_split_kernel", 80, 255, 8, 200 * 1024, 4, 3, 1, ["k"])
+    assert len(problems(bad)) == 4
+    ttir = ("%q_67 = tt.addptr %q_66, %q_65 : tensor<64x1x!tt.ptr<bf16>>, tensor<64x1xi32>\n"
+            "%k_36 = tt.addptr %k_35, %k_34 : tensor<64x1x!tt.ptr<bf16>>, tensor<64x1xi64>")
+    assert _narrow_rows("_accumulate_key_scores_kernel", ttir) == ["q"]
+    assert _narrow_rows("_accumulate_key_scores_kernel", ttir + "\n%q_chunk_49 = tt.addptr %q_ptr, %q_chunk_48 : "
+                        "!tt.ptr<bf16>, i64 loc(#loc173)") == []

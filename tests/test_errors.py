@@ -134,6 +134,36 @@ def test_corrupt_safetensors(tmp_path, tiny_dir, damage):
         LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=128)
 
 
+def test_running_out_of_memory_while_loading_is_not_a_corrupt_file(tiny_dir, monkeypatch):
+    """torch.OutOfMemoryError is a RuntimeError, which a damaged file raises too: it must
+    still say memory, not blame the checkpoint."""
+    import nanokv.loader
+
+    real_open = nanokv.loader.safe_open
+
+    class FullDevice:
+        def __init__(self, *args, **kwargs):
+            self.file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def keys(self):
+            return self.file.keys()
+
+        def get_tensor(self, name):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(nanokv.loader, "safe_open", FullDevice)
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory while loading model.safetensors onto the "
+                                                     "device: the model does not fit") as raised:
+        LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=128)
+    assert "corrupt" not in str(raised.value)
+
+
 def test_missing_weights(tmp_path, tiny_dir):
     from safetensors.torch import load_file, save_file
     shutil.copytree(tiny_dir, tmp_path, dirs_exist_ok=True)
@@ -198,7 +228,7 @@ def test_an_fp8_cache_needs_torch_float8(monkeypatch, tiny_dir):
 
 
 def test_block_size_any_power_of_two_on_the_references_at_least_16_with_triton(tiny_dir):
-    before = kernels.BACKEND
+    before = kernels.forced_backend()
     try:
         kernels.set_backend("torch")
         small = LLM(str(tiny_dir), dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=128)

@@ -114,7 +114,7 @@ def test_evicting_engine_on_triton_kernels_matches_references(tiny_dir):
                              kv_budget=b, evict_every=16, return_kept_positions=True, **extra)
               for m, schedule, b, extra in methods]
     results = {}
-    before = kernels.BACKEND
+    before = kernels.forced_backend()
     try:
         for backend in ("torch", "triton", "cpu"):
             kernels.set_backend(backend)

@@ -33,9 +33,11 @@ def test_long_output_keeps_its_tail():
 
 def test_the_real_parts_fit_nine_minutes_and_are_well_formed():
     parts = gpu_report.parts()
-    assert sum(p.timeout_s for p in parts) <= 8 * 60   # the rest: starting each process, writing
+    assert sum(p.timeout_s for p in parts) <= 8 * 60 + 35   # the rest: starting each process, writing
     for part in parts:
-        if part.args[0] == "bench.py":
+        if part.launcher:
+            assert part.launcher[0] == gpu_report.SANITIZER and part.args[0] == "-c"
+        elif part.args[0] == "bench.py":
             args = bench.parse_args(part.args[1:])
             assert args.random_weights and args.mode in ("paper", "workload")
         elif part.args[:2] == ["-m", "pytest"]:
@@ -44,6 +46,19 @@ def test_the_real_parts_fit_nine_minutes_and_are_well_formed():
             assert part.args == ["-m", "kernels.bench", "--quick"]
     paper = bench.parse_args(["--preset", "gpu-paper"])
     assert (paper.input_len, paper.kv_cache_gb, paper.budgets, paper.ed_budgets) == (3584, 4.0, [1024], [2])
+
+
+def test_a_missing_launcher_is_reported_not_fatal(tmp_path):
+    part = Part("sanitized", ["-c", "print('never')"], 30, launcher=["no-such-sanitizer-here", "--tool", "memcheck"])
+    report = tmp_path / "report.md"
+    assert gpu_report.main(str(report), [part]) == 1
+    assert "no-such-sanitizer-here not found" in report.read_text()
+
+
+def test_the_short_run_runs_anywhere(tmp_path, monkeypatch, capsys):
+    """The memcheck part's program, on the CPU (no graphs there)."""
+    gpu_report.short_run()
+    assert "64 tokens" in capsys.readouterr().out
 
 
 def test_without_a_gpu_it_says_so(monkeypatch):

@@ -177,10 +177,12 @@ def test_memory_accounting_counts_the_scales():
     from nanokv.kv_cache import KVCache
 
     model = shape_config("smollm2-135m")
-    per_block = {dtype: KVCache.bytes_per_block(model, 16, dtype) for dtype in (torch.float32, torch.bfloat16, *FORMATS)}
+    cpu = torch.device("cpu")
+    per_block = {dtype: KVCache.bytes_per_block(model, 16, dtype, cpu)
+                 for dtype in (torch.float32, torch.bfloat16, *FORMATS)}
     assert per_block == {torch.float32: 748_800, torch.bfloat16: 380_160, torch.int8: 207_360, FORMATS[-1]: 207_360}
     for dtype in per_block:
-        cache = KVCache(model, 2, 16, dtype, torch.device("cpu"))
+        cache = KVCache(model, 2, 16, dtype, cpu)
         allocated = [cache.k, cache.v, cache.positions, cache.scores, cache.logits, cache.kv_scales]
         assert sum(t.numel() * t.element_size() for t in allocated if t is not None) == 2 * per_block[dtype]
 

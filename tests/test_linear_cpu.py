@@ -77,4 +77,4 @@ def test_a_prepacked_model_computes_the_same_logits(tmp_path):
 def test_only_the_cpu_backend_packs(tmp_path):
     make_tiny_model(tmp_path, "llama")
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_gb=0.01)
-    assert isinstance(llm.runner.model.layers[0].mlp.down_proj, PackedLinear) == (kernels.BACKEND == "cpu")
+    assert isinstance(llm.runner.model.layers[0].mlp.down_proj, PackedLinear) == kernels.packs_weights(llm.runner.device)

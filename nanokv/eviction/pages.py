@@ -22,25 +22,51 @@ def plan_page_eviction(priority: torch.Tensor, lens: torch.Tensor, num_pages: in
     their costs never decrease); every head keeps at least floor_pages pages.
 
     Returns keep [L, H, n] (each head's surviving slots first, ascending, then the others),
-    the new lens [L, H] and the pages each head gave up [L, H].
+    the new lens [L, H] and the pages each head gave up [L, H]. The three steps below can run
+    on the layers a piece at a time (page_costs and kept_slots), choose_pages on them all.
     """
-    L, H, n = priority.shape
-    slot = torch.arange(n, device=priority.device)
+    evicted = choose_pages(page_costs(priority, lens, block_size, floor_pages), num_pages)
+    keep, kept_lens = kept_slots(priority, lens, evicted, block_size)
+    return keep, kept_lens, evicted
+
+
+def _ordered(priority: torch.Tensor, lens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's slots in eviction order (empty slots first, other heads' never) and their priorities."""
+    slot = torch.arange(priority.shape[-1], device=priority.device)
     held_pages = -(-lens // block_size)
     priority = (priority.masked_fill(slot >= lens[..., None], float("-inf"))          # empty: first
                 .masked_fill(slot >= (held_pages * block_size)[..., None], float("inf")))   # not its page
     order = priority.argsort(dim=-1, stable=True)   # ties by slot, i.e. by position
-    page_costs = priority.gather(-1, order)[..., block_size - 1::block_size]   # [L, H, n / bs]
-    count = torch.arange(1, n // block_size + 1, device=priority.device)
-    page_costs = page_costs.masked_fill(count > (held_pages - floor_pages)[..., None], float("inf"))
-    chosen = page_costs.flatten().argsort(stable=True)[:num_pages]
-    if num_pages and page_costs.flatten()[chosen[-1]] == float("inf"):
+    return order, priority.gather(-1, order)
+
+
+def page_costs(priority: torch.Tensor, lens: torch.Tensor, block_size: int, floor_pages: int) -> torch.Tensor:
+    """[L, H, n / bs]: what evicting each head's e-th page costs (+inf below its floor)."""
+    costs = _ordered(priority, lens, block_size)[1][..., block_size - 1::block_size]
+    count = torch.arange(1, costs.shape[-1] + 1, device=priority.device)
+    held_pages = -(-lens // block_size)
+    return costs.masked_fill(count > (held_pages - floor_pages)[..., None], float("inf"))
+
+
+def choose_pages(costs: torch.Tensor, num_pages: int) -> torch.Tensor:
+    """[L, H] pages each head gives up: the num_pages cheapest of costs [L, H, m]."""
+    L, H, m = costs.shape
+    chosen = costs.flatten().argsort(stable=True)[:num_pages]
+    if num_pages and costs.flatten()[chosen[-1]] == float("inf"):
         raise RuntimeError(f"cannot evict {num_pages} pages: the rest are protected or below the floor")
-    evicted = torch.bincount(chosen // page_costs.shape[-1], minlength=L * H).view(L, H)
+    return torch.bincount(chosen // m, minlength=L * H).view(L, H)
+
+
+def kept_slots(priority: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor,
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keep [L, H, n] (each head's surviving slots first, ascending) and the new lens [L, H]
+    when head (l, h) gives up its evicted[l, h] cheapest pages."""
+    n = priority.shape[-1]
+    slot = torch.arange(n, device=priority.device)
+    order = _ordered(priority, lens, block_size)[0]
     rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
     kept = (rank >= (evicted * block_size)[..., None]) & (slot < lens[..., None])
-    keep = torch.where(kept, slot, n + slot).argsort(dim=-1)
-    return keep, kept.sum(dim=-1), evicted
+    return torch.where(kept, slot, n + slot).argsort(dim=-1), kept.sum(dim=-1)
 
 
 def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor

@@ -22,7 +22,7 @@ class HeldPairs:
     positions: torch.Tensor            # original positions (int32)
     scores: torch.Tensor               # attention probabilities accumulated (windowed: in the window), fp32
     current: torch.Tensor              # [S, 1, 1, 1]: position of each sequence's last query processed
-    keys: Callable[[], torch.Tensor]   # -> [S, L, H, n, D]: read only for a ranking that asks
+    key_norms: Callable[[], torch.Tensor]   # -> [S, L, H, n] L2 norms of the keys: read only for a ranking that asks
     lens: torch.Tensor | None = None   # [S, L, H]: pairs per head, when heads hold different numbers
 
 
@@ -82,8 +82,7 @@ class KeyNorm(Ranking):
     default_schedule = "once"
 
     def keep_priority(self, held):
-        keys = held.keys()
-        return -keys.to(torch.promote_types(keys.dtype, torch.float32)).norm(dim=-1)
+        return -held.key_norms()
 
 
 class LastQuery(Ranking):
