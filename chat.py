@@ -14,6 +14,7 @@ import time
 import torch
 
 from nanokv import LLM, SamplingParams
+from nanokv.config import add_engine_flags, engine_options
 
 HELP = "commands: /reset  /system TEXT  /stats  /quit"
 
@@ -61,7 +62,8 @@ class Chat:
                         self.out.write(f" [error: {out.error}]")
                     self.out.flush()
                     text, n, cached = out.text, len(out.token_ids), out.num_cached_tokens
-                peak_blocks = max(peak_blocks, self.llm.blocks.num_blocks - self.llm.blocks.num_free)
+                stats = self.llm.stats()
+                peak_blocks = max(peak_blocks, stats.total_blocks - stats.free_blocks)
         except KeyboardInterrupt:
             self.llm.abort(request)
             self.out.write(" [stopped]")
@@ -76,13 +78,12 @@ class Chat:
     def stats(self) -> str:
         if self.last_stats is None:
             return "no reply yet"
-        s = self.last_stats
+        s, engine = self.last_stats, self.llm.stats()
         rate = s["output_tokens"] / s["seconds"] if s["seconds"] > 0 else 0.0
         return (f"last reply: {s['output_tokens']} tokens in {s['seconds']:.2f}s ({rate:.1f} tokens/s), "
                 f"first token after {s['first_token_seconds']:.2f}s, prompt {s['prompt_tokens']} tokens "
                 f"({s['cached_prompt_tokens']} from the prefix cache); "
-                f"KV blocks used {s['kv_blocks']} of {self.llm.blocks.num_blocks} "
-                f"({self.llm.config.block_size} tokens each)")
+                f"KV blocks used {s['kv_blocks']} of {engine.total_blocks} ({engine.block_size} tokens each)")
 
     def handle(self, line: str) -> bool:
         """Act on one input line; False means quit."""
@@ -128,12 +129,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.9)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
+    add_engine_flags(parser)
     args = parser.parse_args(argv)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
-        llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+        llm = LLM(args.model, **engine_options(args))
     except (ValueError, OSError, TypeError, torch.OutOfMemoryError) as e:
         sys.exit(f"chat.py: {e}")
     interactive = sys.stdin.isatty()

@@ -20,13 +20,13 @@ from typing import Callable, NamedTuple
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.attention import paged_attention_ref
-from kernels.attention_cpu import StepPlan, make_plan, paged_attention_cpu
-from kernels.attention_triton import paged_attention_triton
+from kernels.attention.reference import paged_attention_ref
+from kernels.attention.cpu import StepPlan, make_plan, paged_attention_cpu
+from kernels.attention.prefill import paged_attention_triton
 from kernels.compact import compact_kv
-from kernels.decode_attention import (MIN_SPLIT, DecodeWorkspace, decode_workspace, logits_scratch as _logits_scratch,
+from kernels.attention.decode import (MIN_SPLIT, DecodeWorkspace, decode_workspace, logits_scratch as _logits_scratch,
                                       paged_decode_attention_triton)
-from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
+from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
 from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.linear_cpu import PackedLinear, can_prepack, prepack_linears
@@ -177,7 +177,7 @@ def decode_workspace_for(max_num_seqs: int, num_heads: int, num_kv_heads: int, h
 
 
 def logits_scratch(num_pages: int, group: int, block_size: int, device: torch.device) -> torch.Tensor | None:
-    """Where a scored Triton decode keeps its raw logits (kernels/decode_attention.py); None elsewhere."""
+    """Where a scored Triton decode keeps its raw logits (kernels/attention/decode.py); None elsewhere."""
     if backend(device) != "triton":
         return None
     return _logits_scratch(num_pages, group, block_size, device)
@@ -188,24 +188,24 @@ def scratch_bytes_per_slot(group: int, device: torch.device) -> int:
     return 4 * group if backend(device) == "triton" else 0
 
 
-def plan_step(block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+def plan_step(page_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
               block_size: int, dtype: torch.dtype, scores: bool) -> StepPlan | None:
-    """The CPU backend's gathers and masks for every layer of a step (kernels/attention_cpu.py),
+    """The CPU backend's gathers and masks for every layer of a step (kernels/attention/cpu.py),
     built once per step; None for the other backends, which need none."""
-    if backend(block_tables.device) != "cpu":
+    if backend(page_tables.device) != "cpu":
         return None
-    return make_plan(block_tables, cu_seqlens_q, context_lens, block_size, dtype, scores)
+    return make_plan(page_tables, cu_seqlens_q, context_lens, block_size, dtype, scores)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *,
+def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens, scale, *,
                     max_query_len: int, max_context_len: int, num_decodes: int = 0,
                     score_cache=None, score_from=None, logits=None, workspace=None, cpu_plan=None,
                     kv_scales=None, square_scores=None, score_skip=None, positions=None, pos_cache=None):
-    """Attention of q [T, Hq, D] over one layer of the paged cache (semantics: kernels/attention.py).
+    """Attention of q [T, Hq, D] over one layer of the paged cache (semantics: kernels/attention/reference.py).
 
     The cache is the pool of pages of every layer (layout: kernels/kv_store.py): k_cache,
     v_cache [P, bs, D], score_cache [P, bs], kv_scales [P, bs, 2]; the layer's
-    block_tables [B, Hkv, nb] pick its pages, and context_lens [B, Hkv] says how many
+    page_tables [B, Hkv, nb] pick its pages, and context_lens [B, Hkv] says how many
     slots each (sequence, KV head) holds, this step's tokens last.
 
     With score_cache, also add to it, for every key, the softmax probability each query
@@ -218,23 +218,23 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     needs a device sync to size its grid. The first num_decodes sequences have one
     query each (the runner orders them first): they go to flash-decoding, the rest
     to the prefill kernel. logits and workspace: flash-decoding's scratch
-    (kernels/decode_attention.py), allocated per call if None; cpu_plan: the CPU
+    (kernels/attention/decode.py), allocated per call if None; cpu_plan: the CPU
     backend's plan of this layer (plan_step, StepPlan.layer), built per call if None.
     kv_scales: the scales of an int8 or fp8 cache (kernels/kv_store.py), None for an unquantized one.
     """
     name = _forced or ("triton" if q.is_cuda else "cpu")
     if name == "cpu":
-        return paged_attention_cpu(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+        return paged_attention_cpu(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens, scale,
                                    score_cache=score_cache, score_from=score_from, plan=cpu_plan,
                                    kv_scales=kv_scales, square_scores=square_scores, score_skip=score_skip,
                                    positions=positions, pos_cache=pos_cache)
     want_lse = score_cache is not None
     if name == "torch":
-        result = paged_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+        result = paged_attention_ref(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens, scale,
                                      return_lse=want_lse, kv_scales=kv_scales)
         if want_lse:
             out, lse = result
-            accumulate_key_scores_ref(q, k_cache, score_cache, block_tables, cu_seqlens_q, context_lens,
+            accumulate_key_scores_ref(q, k_cache, score_cache, page_tables, cu_seqlens_q, context_lens,
                                       lse, scale, score_from, kv_scales, square_scores, score_skip, positions,
                                       pos_cache)
             return out
@@ -244,9 +244,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
     def part(per_seq, which: slice):   # the decodes' or the chunks' part of a per-sequence tensor, or None
         return None if per_seq is None else per_seq[which]
     if num_decodes:
-        splits = decode_num_splits(num_decodes, block_tables.shape[1], max_context_len, q.device)
+        splits = decode_num_splits(num_decodes, page_tables.shape[1], max_context_len, q.device)
         decodes = slice(None, num_decodes)
-        paged_decode_attention_triton(q[decodes], k_cache, v_cache, block_tables[decodes],
+        paged_decode_attention_triton(q[decodes], k_cache, v_cache, page_tables[decodes],
                                       context_lens[decodes], scale, splits, score_cache=score_cache,
                                       logits=logits, workspace=workspace, out=out[decodes],
                                       score_from=part(score_from, decodes), kv_scales=kv_scales,
@@ -257,7 +257,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_len
         return out
     # The chunks: their rows of q, out and lse are addressed through cu_seqlens_q.
     chunks = slice(num_decodes, None)
-    cu_seqlens, tables, lens = cu_seqlens_q[chunks], block_tables[chunks], context_lens[chunks]
+    cu_seqlens, tables, lens = cu_seqlens_q[chunks], page_tables[chunks], context_lens[chunks]
     result = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens, lens, scale, return_lse=want_lse,
                                     max_query_len=max_query_len, out=out, kv_scales=kv_scales)
     if want_lse:

@@ -9,10 +9,10 @@ freed on their own:
     kv_scales:        [P, block_size, 2] float32, a quantized cache only
     pos_cache:        [P, block_size] int32, the position of the token in the slot
     score_cache:      [P, block_size] float32, the slot's eviction score
-    block_tables:     [B, Hkv, max_pages] int32 page ids of one layer (unused entries 0)
+    page_tables:     [B, Hkv, max_pages] int32 page ids of one layer (unused entries 0)
     context_lens:     [B, Hkv] int32 slots held per (sequence, KV head)
 A slot is `page * block_size + offset`. A kernel is called per layer with the
-whole pool; the layer's block tables select its pages. Heads of one sequence
+whole pool; the layer's page tables select its pages. Heads of one sequence
 may hold different numbers of slots (after per-head eviction), and slot j of
 head 0 and slot j of head 1 may hold different tokens.
 

@@ -8,18 +8,14 @@ step's AttentionMetadata.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import kernels
-
-if TYPE_CHECKING:   # the model only reads these; importing nanokv here would be circular
-    from nanokv.attention import AttentionMetadata
-    from nanokv.config import ModelConfig
-    from nanokv.kv_cache import KVCache
+from models.attention_metadata import AttentionMetadata
+from models.config import ModelConfig
+from models.kv_cache import KVCache
 
 
 class RMSNorm(nn.Module):
@@ -61,7 +57,7 @@ class Attention(nn.Module):
         i = self.layer_idx   # the pool serves every layer: this layer's pages come from its tables
         kernels.store_kv(k, v, cache.k, cache.v, cache.positions, cache.scores,
                          meta.slot_mapping[i], positions, kv_scales=cache.kv_scales)
-        out = kernels.paged_attention(q, cache.k, cache.v, meta.block_tables[i], meta.cu_seqlens_q,
+        out = kernels.paged_attention(q, cache.k, cache.v, meta.page_tables[i], meta.cu_seqlens_q,
                                       meta.context_lens[i], self.scale, max_query_len=meta.max_query_len,
                                       max_context_len=meta.max_context_len, num_decodes=meta.num_decodes,
                                       score_cache=cache.scores if meta.accumulate_scores else None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from models.decoder import Decoder
-from nanokv.config import ModelConfig
+from models.config import ModelConfig
 
 SHAPES = {
     "llama-3.1-8b": dict(

@@ -1,5 +1,5 @@
 """nanokv: a minimal LLM inference engine with KV-cache eviction (Batch-Max)."""
-from nanokv.llm import LLM, RequestOutput
-from nanokv.sampling import SamplingParams
+from nanokv.llm import LLM, EngineStats, RequestOutput
+from nanokv.sampling_params import SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineStats", "RequestOutput", "SamplingParams"]

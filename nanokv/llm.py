@@ -1,4 +1,5 @@
-"""The public API: LLM.generate() for batches, add_request() + step() for streaming.
+"""The public API: LLM.generate() for batches, add_request() + step() for streaming,
+stats() for what the engine holds.
 
 generate() is nothing but a loop over step(). One step: the scheduler picks
 the batch, the runner runs the model and samples, the scheduler records the
@@ -6,8 +7,10 @@ new tokens, and here the tokens become text (with stop strings applied).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
@@ -16,17 +19,18 @@ import torch
 from tqdm import tqdm
 
 import kernels
+from models import ModelConfig, shapes
+from models.loader import load_model, resolve_model_path
 from nanokv.checks import check_token_ids
-from nanokv.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig, resolve_dtype
-from nanokv.kv_cache import BlockManager
-import models.shapes as shapes   # a module import: models.shapes itself imports nanokv.config
-from nanokv.loader import load_model, resolve_model_path
-from nanokv.prefix_cache import PrefixCache
-from nanokv.runner import ModelRunner
-from nanokv.sampling import FAILED, SamplingParams
-from nanokv.scheduler import Scheduler
-from nanokv.eviction import KVMethod, make_method
-from nanokv.sequence import PromptLogprob, Sequence
+from nanokv.config import KV_CACHE_DTYPES, EngineConfig, resolve_dtype
+from nanokv.engine.block_manager import BlockManager
+from nanokv.engine.prefix_cache import PrefixCache
+from nanokv.engine.runner import ModelRunner, Timings
+from nanokv.engine.sampler import FAILED
+from nanokv.engine.scheduler import Scheduler
+from nanokv.engine.sequence import PromptLogprob, Sequence
+from nanokv.eviction import EvictionSettings, KVMethod, method_for
+from nanokv.sampling_params import SamplingParams
 from nanokv.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int]
@@ -49,6 +53,20 @@ class RequestOutput:
     #                                               (an uneven method's shorter heads padded with -1)
     error: str | None = None    # with finish_reason "error": what went wrong with this request
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
+
+
+@dataclass
+class EngineStats:
+    """What the engine holds now (LLM.stats)."""
+    running: int             # sequences admitted, holding blocks
+    waiting: int             # queued, or preempted and waiting to be recomputed
+    kv_slots: int            # KV pairs per head the running sequences hold, summed
+    free_blocks: int         # KV blocks free (or cached and reclaimable)
+    total_blocks: int
+    block_size: int
+    block_bytes: int         # what one block takes in memory (K, V and every slot's metadata)
+    preemptions: int         # since the engine started
+    timings: Timings | None  # phase times, inside LLM.timing()
 
 
 @dataclass
@@ -78,10 +96,8 @@ class LLM:
                             f"the options are {', '.join(sorted(fields - {'model', 'dtype'}))}")
         self.config = EngineConfig(model=model, dtype=dtype, **options)
         cfg = self.config
-        make_method(cfg.kv_method, cfg.kv_schedule, cfg.kv_budget, cfg.evict_every, cfg.block_size,
-                    sinks=cfg.kv_sinks, recent=cfg.kv_recent, window=cfg.kv_window,
-                    pool=cfg.kv_pool, score_all=cfg.kv_score_all)   # check the defaults now
-        device = engine_device(self.config.device)
+        method_for(EvictionSettings(), cfg, cfg.block_size)   # the defaults' combination, checked now
+        self.device = device = engine_device(self.config.device)
         kernels.check_device(device, cfg.block_size)
         self.dtype = resolve_dtype(self.config.dtype, device)
         if model is not None and model.startswith(shapes.RANDOM_PREFIX):   # timing: no files, no tokenizer
@@ -95,7 +111,7 @@ class LLM:
             self.tokenizer = Tokenizer.from_dir(path)
             self.config.max_model_len = self._max_model_len()
             decoder = load_model(path, self.model_config, self.dtype, device, self.config.max_model_len)
-        kv_dtype = KV_CACHE_DTYPES[self.config.kv_cache_dtype] or self.dtype
+        self.kv_dtype = kv_dtype = KV_CACHE_DTYPES[self.config.kv_cache_dtype] or self.dtype
         self.runner = ModelRunner(self.config, decoder, self.dtype, device, kv_dtype)
         cache = None
         if self.config.enable_prefix_caching:   # a block's contents depend on the model and the cache's dtype
@@ -151,20 +167,13 @@ class LLM:
         return self._queue(prompt, self._prompt_ids(prompt), params)
 
     def _method(self, params: SamplingParams) -> KVMethod:
-        """The request's eviction method, its unset fields taken from the engine defaults.
+        """The request's eviction method, its unset settings taken from the engine's.
         Checks params again first: a dataclass can be changed after it was built."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         params.check()
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
-        cfg = self.config
-        def setting(field: str):
-            value = getattr(params, field)
-            return getattr(cfg, field) if value is None else value
-        method = make_method(setting("kv_method"), setting("kv_schedule"), setting("kv_budget"),
-                             setting("evict_every"), cfg.block_size, sinks=setting("kv_sinks"),
-                             recent=setting("kv_recent"), window=setting("kv_window"), pool=setting("kv_pool"),
-                             score_all=setting("kv_score_all"))
+        method = method_for(params, self.config, self.config.block_size)
         if params.return_kept_positions and method.name == "full":
             raise ValueError("return_kept_positions needs an evicting kv_method (any but full); "
                              "with full every position is kept")
@@ -192,6 +201,25 @@ class LLM:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        """A snapshot of what the engine holds: requests, KV blocks, preemptions (and, inside
+        timing(), where the steps' time went)."""
+        sched, blocks = self.scheduler, self.blocks
+        return EngineStats(len(sched.running), len(sched.waiting), sum(seq.num_kv_slots for seq in sched.running),
+                           blocks.num_free, blocks.num_blocks, blocks.block_size, self.runner.kv_cache.block_bytes,
+                           sched.num_preemptions,
+                           self.runner.timings and dataclasses.replace(self.runner.timings))
+
+    @contextlib.contextmanager
+    def timing(self) -> Iterator[Timings]:
+        """Time the phases of every step inside the block (the device is synchronised around
+        each, which slows it a little); yields the running totals, also in stats()."""
+        self.runner.timings = timings = Timings()
+        try:
+            yield timings
+        finally:
+            self.runner.timings = None
 
     # ----- stepping -----------------------------------------------------------------------
 

@@ -1,7 +1,12 @@
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The scripts at the repository's root (bench.py, chat.py) import as modules.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # Before anything imports triton: without a GPU, Triton kernels run in its interpreter
 # on CPU tensors; with one, the same tests run them compiled (tests/helpers.KERNEL_DEVICE).
@@ -17,7 +22,7 @@ def bundled_dir(tmp_path_factory):
     rest of the session NANOKV_CACHE_DIR points at that cache, so
     `bundled_model_dir()` and `LLM()` reuse the conversion.
     """
-    from nanokv.bundled import bundled_model_dir
+    from models.gguf_convert import bundled_model_dir
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOKV_CACHE_DIR", str(tmp_path_factory.mktemp("nanokv-cache")))

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import make_tiny_model
-from nanokv import accuracy
-from nanokv.accuracy import Source
+from nanokv.tools import accuracy
+from nanokv.tools.accuracy import Source
 from nanokv.eviction import parse_spec, schedule_name
 
 

@@ -1,11 +1,11 @@
 """The CPU backend's paged attention against the references: output, and the key
-scores it adds to the cache (kernels/attention.py, kernels/key_scores.py)."""
+scores it adds to the cache (kernels/attention/reference.py, kernels/attention/key_scores.py)."""
 import pytest
 import torch
 
-from kernels.attention import paged_attention_ref
-from kernels.attention_cpu import paged_attention_cpu
-from kernels.key_scores import accumulate_key_scores_ref
+from kernels.attention.reference import paged_attention_ref
+from kernels.attention.cpu import paged_attention_cpu
+from kernels.attention.key_scores import accumulate_key_scores_ref
 from test_attention_triton import (make_cache, mixed_chunks, mixed_squares, scattered_tables, skip_inputs,
                                    varlen_batch)
 

@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernels against the torch oracle (kernels/attention.py)
+"""The Triton paged-attention kernels against the torch oracle (kernels/attention/reference.py)
 and, for key scores, a dense float64 softmax.
 
 On the CPU the kernels run in Triton's interpreter (conftest.py), so sizes stay
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from helpers import KERNEL_DEVICE
-from kernels.attention import paged_attention_ref
-from kernels.attention_triton import paged_attention_triton
+from kernels.attention.reference import paged_attention_ref
+from kernels.attention.prefill import paged_attention_triton
 import kernels
-from kernels.decode_attention import MIN_SPLIT, decode_workspace, logits_scratch, paged_decode_attention_triton
+from kernels.attention.decode import MIN_SPLIT, decode_workspace, logits_scratch, paged_decode_attention_triton
 
 # (out, lse) absolute = relative tolerances. 16-bit outputs are rounded once,
 # and the probabilities meet V in 16 bits, as in every flash-attention kernel;

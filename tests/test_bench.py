@@ -3,15 +3,12 @@
 Timings are never asserted: only that every figure is there and makes sense.
 """
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+import bench
 from helpers import make_tiny_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import bench  # noqa: E402
+from nanokv.tools import throughput
 
 RECORD_FIELDS = {"device", "model", "dtype", "mode", "method", "budget", "batch", "input_len", "output_len",
                  "tokens_per_s", "peak_kv_gb", "kv_pool_gb", "decode_ms_per_step", "prefill_s", "evict_s",
@@ -26,7 +23,7 @@ def search(threshold: int, max_batch: int) -> tuple[int, list[int]]:
         probes.append(b)
         return b <= threshold
 
-    return bench.largest_batch(fits, max_batch), probes
+    return throughput.largest_batch(fits, max_batch), probes
 
 
 @pytest.mark.parametrize("max_batch", [1, 2, 7, 16, 100])
@@ -47,17 +44,17 @@ def test_largest_batch_edges():
 
 
 def test_workload_is_nano_vllms():
-    requests = bench.workload()
+    requests = throughput.workload()
     assert len(requests) == 256
-    assert requests == bench.workload(256, seed=0)         # reproducible
-    assert requests != bench.workload(256, seed=1)
-    assert bench.workload(8) == requests[:8]               # a shorter run is a prefix of the full one
+    assert requests == throughput.workload(256, seed=0)         # reproducible
+    assert requests != throughput.workload(256, seed=1)
+    assert throughput.workload(8) == requests[:8]               # a shorter run is a prefix of the full one
     for prompt, output_len in requests:
         assert 100 <= len(prompt) <= 1024 and 100 <= output_len <= 1024
         assert all(0 <= t < 10000 for t in prompt)
     lengths = [len(p) for p, _ in requests]
     assert min(lengths) < 200 and max(lengths) > 900     # spread over the range, not a constant
-    assert all(t < 300 for p, _ in bench.workload(4, vocab=300) for t in p)
+    assert all(t < 300 for p, _ in throughput.workload(4, vocab=300) for t in p)
 
 
 def test_presets_and_mode_defaults():
@@ -74,12 +71,12 @@ def test_presets_and_mode_defaults():
 def test_methods_take_a_schedule_and_settings():
     args = bench.parse_args(["--methods", "full", "h2o@prefill,sinks=4", "ed", "--budgets", "256",
                              "--ed-budgets", "2"])
-    methods = bench.method_list(args.methods, args.budgets, args.ed_budgets)
+    methods = throughput.method_list(args.methods, args.budgets, args.ed_budgets)
     assert [m.label for m in methods] == ["full", "h2o@prefill,sinks=4 |kv|=256", "ed |kv|=2"]
-    params = bench.sampling(methods[1], 8, evict_every=64)
+    params = throughput.sampling(methods[1], 8, evict_every=64)
     assert (params.kv_method, params.kv_schedule, params.kv_sinks, params.kv_budget, params.evict_every) \
         == ("h2o", "prefill", 4, 256, 64)
-    assert bench.sampling(methods[0], 8, evict_every=64).kv_budget is None
+    assert throughput.sampling(methods[0], 8, evict_every=64).kv_budget is None
     with pytest.raises(SystemExit):
         bench.parse_args(["--methods", "h2o@sometimes"])
 
@@ -133,12 +130,12 @@ def test_paper_mode_end_to_end(tiny, tmp_path, capsys):
 
 def test_a_batch_that_cannot_fit_is_oom_not_a_crash(tiny):
     args = bench.parse_args(["--model", str(tiny), *TOY])
-    llm = bench.make_llm(args, 52, max_num_seqs=8, max_num_batched_tokens=8 * 48)
-    method = bench.Method("full", None)
-    run = bench.measure(llm, bench.same_shape(8, 48, 4, method, 16, 300), static=True)
+    llm = throughput.make_llm(args, 52, max_num_seqs=8, max_num_batched_tokens=8 * 48)
+    method = throughput.Method("full", None)
+    run = throughput.measure(llm, throughput.same_shape(8, 48, 4, method, 16, 300), static=True)
     assert not run["fits"] and run["tokens_per_s"] is None
     assert not llm.has_unfinished() and llm.blocks.num_free == llm.blocks.num_blocks   # all given back
-    run = bench.measure(llm, bench.same_shape(2, 48, 4, method, 16, 300), static=True)
+    run = throughput.measure(llm, throughput.same_shape(2, 48, 4, method, 16, 300), static=True)
     assert run["fits"] and run["output_tokens"] == 8   # the engine is as good as new
 
 
@@ -155,12 +152,12 @@ def test_sweep_writes_one_record_per_run(tiny, tmp_path):
 
 def test_decode_bytes_counts_weights_and_kv(tiny):
     args = bench.parse_args(["--model", str(tiny), *TOY])
-    llm = bench.make_llm(args, 52)
+    llm = throughput.make_llm(args, 52)
     model = llm.runner.model
     weights = sum(p.numel() * 4 for p in model.parameters()) - model.embed_tokens.weight.numel() * 4
-    assert bench.decode_bytes(llm, {"mean_decode_batch": None, "mean_decode_context": None}) == weights
+    assert throughput.decode_bytes(llm, {"mean_decode_batch": None, "mean_decode_context": None}) == weights
     kv = 2 * 2 * 2 * 16 * 4   # K and V, layers, KV heads, head_dim, fp32
-    assert bench.decode_bytes(llm, {"mean_decode_batch": 3, "mean_decode_context": 10}) == weights + 30 * kv
+    assert throughput.decode_bytes(llm, {"mean_decode_batch": 3, "mean_decode_context": 10}) == weights + 30 * kv
 
 
 def test_hf_mode_prints_both_tables(tiny, capsys):

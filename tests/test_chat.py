@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from chat import Chat
 from nanokv import LLM, SamplingParams
 
 CHAT = Path(__file__).resolve().parent.parent / "chat.py"
-sys.path.insert(0, str(CHAT.parent))
-from chat import Chat  # noqa: E402
 
 
 def run_chat(stdin: bytes, *args: str) -> subprocess.CompletedProcess:

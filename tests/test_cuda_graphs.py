@@ -9,7 +9,7 @@ import torch
 
 from helpers import VOCAB, make_tiny_model
 from nanokv import LLM, SamplingParams
-from nanokv.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from nanokv.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
 
 class RecordedGraph:

@@ -9,8 +9,9 @@ import torch
 
 import kernels
 from helpers import VOCAB, make_tiny_model
-from nanokv import LLM, SamplingParams, evict, runner
-from nanokv.cuda_graphs import DecodeGraphs
+from nanokv import LLM, SamplingParams
+from nanokv.engine import evict, memory, runner
+from nanokv.engine.cuda_graphs import DecodeGraphs
 from nanokv.llm import engine_device
 
 H100_PROGRAMS = 4 * 3 * 132   # DECODE_WAVES x programs per SM x SMs
@@ -116,11 +117,11 @@ def test_each_step_page_tables_fit_the_reserve(tiny_dir, monkeypatch):
     """The step's page tables [L, B, Hkv, W], built once per step, at most what memory_reserve
     counts: exactly that when max_num_seqs sequences reach max_model_len."""
     llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=128, max_num_seqs=4)
-    reserve = runner.memory_reserve(llm.model_config, llm.config, torch.float32, graphs=False, total_memory=0)
+    reserve = memory.memory_reserve(llm.model_config, llm.config, torch.float32, graphs=False, total_memory=0)
     sizes = []
     prepare = llm.runner.prepare
     monkeypatch.setattr(llm.runner, "prepare", lambda batch, *rest: (
-        lambda step: sizes.append(step.meta.block_tables.nbytes) or step)(prepare(batch, *rest)))
+        lambda step: sizes.append(step.meta.page_tables.nbytes) or step)(prepare(batch, *rest)))
     prompts = [torch.randint(0, VOCAB, (110,)).tolist() for _ in range(4)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     assert max(sizes) == reserve["step page tables"] == 2 * 4 * 2 * (128 // 16) * 4

@@ -137,9 +137,9 @@ def test_corrupt_safetensors(tmp_path, tiny_dir, damage):
 def test_running_out_of_memory_while_loading_is_not_a_corrupt_file(tiny_dir, monkeypatch):
     """torch.OutOfMemoryError is a RuntimeError, which a damaged file raises too: it must
     still say memory, not blame the checkpoint."""
-    import nanokv.loader
+    import models.loader
 
-    real_open = nanokv.loader.safe_open
+    real_open = models.loader.safe_open
 
     class FullDevice:
         def __init__(self, *args, **kwargs):
@@ -157,7 +157,7 @@ def test_running_out_of_memory_while_loading_is_not_a_corrupt_file(tiny_dir, mon
 
         def get_tensor(self, name):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    monkeypatch.setattr(nanokv.loader, "safe_open", FullDevice)
+    monkeypatch.setattr(models.loader, "safe_open", FullDevice)
     with pytest.raises(torch.OutOfMemoryError, match="out of memory while loading model.safetensors onto the "
                                                      "device: the model does not fit") as raised:
         LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=128)
@@ -205,7 +205,7 @@ def test_unknown_engine_option_and_dtype(tiny_dir):
     (dict(enable_prefix_caching=1), TypeError, "enable_prefix_caching must be True or False, got 1"),
     (dict(kv_method=1), TypeError, "unknown kv_method 1; use one of full, batchmax, h2o, tova, snapkv, streamingllm, knorm, kvcompress, decode_only, ed or None"),
     (dict(kv_budget=True), TypeError, "kv_budget must be None or an integer >= 1, got True"),
-    (dict(evict_every=0), ValueError, "evict_every must be an integer >= 1, got 0"),
+    (dict(evict_every=0), ValueError, "evict_every must be None or an integer >= 1, got 0"),
     (dict(device=0), TypeError, r"device must be None or a device \('cuda', 'cpu', ...\), got 0"),
     (dict(dtype=16), TypeError, "dtype must be a torch.dtype or its name, got 16"),
     (dict(kv_cache_dtype="int4"), ValueError, "unknown kv_cache_dtype 'int4'; use one of auto, int8, fp8"),

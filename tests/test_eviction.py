@@ -129,7 +129,7 @@ def test_evicting_engine_on_triton_kernels_matches_references(tiny_dir):
 
 
 def test_plot_of_kept_positions_is_written(llm, tmp_path):
-    from nanokv.plot import plot_kept_positions
+    from nanokv.tools.plot_kept import plot_kept_positions
     prompt = torch.randint(0, VOCAB, (120,)).tolist()
     out = llm.generate([prompt], SamplingParams(max_tokens=1, return_kept_positions=True))[0]
     plot_kept_positions(out.kept_positions, len(prompt), str(tmp_path / "kept.png"))

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 import bench
-from nanokv import gpu_report
-from nanokv.gpu_report import Part
+from nanokv.tools import gpu_report
+from nanokv.tools.gpu_report import Part
 
 
 def test_report_records_each_part_and_how_it_ended(tmp_path):
@@ -43,7 +43,7 @@ def test_the_real_parts_fit_nine_minutes_and_are_well_formed():
         elif part.args[:2] == ["-m", "pytest"]:
             assert all(Path(gpu_report.ROOT, f).is_file() for f in part.args if f.startswith("tests/"))
         else:
-            assert part.args == ["-m", "kernels.bench", "--quick"]
+            assert part.args == ["-m", "nanokv.tools.kernel_bench", "--quick"]
     paper = bench.parse_args(["--preset", "gpu-paper"])
     assert (paper.input_len, paper.kv_cache_gb, paper.budgets, paper.ed_budgets) == (3584, 4.0, [1024], [2])
 

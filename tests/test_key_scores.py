@@ -1,4 +1,4 @@
-"""Key scores (kernels/key_scores.py) against a dense float64 softmax.
+"""Key scores (kernels/attention/key_scores.py) against a dense float64 softmax.
 
 The dense oracle is written out here, independent of the code under test: it
 builds each sequence's keys by walking its block table slot by slot, then
@@ -11,8 +11,8 @@ import torch
 
 from helpers import KERNEL_DEVICE
 
-from kernels.attention import paged_attention_ref
-from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
+from kernels.attention.reference import paged_attention_ref
+from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
 from test_attention_triton import skip_inputs
 
 
@@ -21,14 +21,14 @@ class Batch:
     q: torch.Tensor              # [T, Hq, D]
     k_cache: torch.Tensor        # [P, block_size, D]
     score_cache: torch.Tensor    # [P, block_size] fp32, random nonzero
-    block_tables: torch.Tensor   # [B, Hkv, nb] int32, -1 past each head's pages
+    page_tables: torch.Tensor   # [B, Hkv, nb] int32, -1 past each head's pages
     cu_seqlens_q: torch.Tensor   # [B + 1] int32
     context_lens: torch.Tensor   # [B, Hkv] int32, ragged across heads
     scale: float
 
     def to(self, device):
         return Batch(*(getattr(self, f).to(device) for f in
-                       ("q", "k_cache", "score_cache", "block_tables", "cu_seqlens_q", "context_lens")),
+                       ("q", "k_cache", "score_cache", "page_tables", "cu_seqlens_q", "context_lens")),
                      self.scale)
 
 
@@ -54,7 +54,7 @@ def make_batch(seqs, num_kv_heads, group, head_dim, block_size, dtype) -> Batch:
         q=(3 * torch.randn(int(q_lens.sum()), num_kv_heads * group, head_dim)).to(dtype),
         k_cache=torch.randn(num_pages, block_size, head_dim).to(dtype),
         score_cache=torch.rand(num_pages, block_size) + 0.5,
-        block_tables=tables,
+        page_tables=tables,
         cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()]),
         context_lens=lens,
         scale=head_dim ** -0.5,
@@ -65,10 +65,10 @@ def dense_logits(batch: Batch, b: int, h: int):
     """Sequence b's scaled logits in KV head h, [G, n, L] in float64 (-inf where the query
     cannot see the key), and the slot addresses (pages [L], offsets [L]), from the block
     table walked slot by slot."""
-    Hkv, block_size = batch.block_tables.shape[1], batch.k_cache.shape[1]
+    Hkv, block_size = batch.page_tables.shape[1], batch.k_cache.shape[1]
     start, end = int(batch.cu_seqlens_q[b]), int(batch.cu_seqlens_q[b + 1])
     n, context_len = end - start, int(batch.context_lens[b, h])
-    pages = torch.tensor([int(batch.block_tables[b, h, s // block_size]) for s in range(context_len)])
+    pages = torch.tensor([int(batch.page_tables[b, h, s // block_size]) for s in range(context_len)])
     offsets = torch.arange(context_len) % block_size
     k = torch.stack([batch.k_cache[pages[s], offsets[s]] for s in range(context_len)]).double()   # [L, D]
     q = batch.q[start:end].double().unflatten(1, (Hkv, -1))[:, h]                                  # [n, G, D]
@@ -93,7 +93,7 @@ def dense_expectation(batch: Batch, score_from=None, square_scores=None, skip=No
     expected = batch.score_cache.double().clone()
     touched = torch.zeros_like(batch.score_cache, dtype=torch.bool)
     lse = torch.empty(batch.q.shape[:2])
-    Hkv = batch.block_tables.shape[1]
+    Hkv = batch.page_tables.shape[1]
     for b in range(len(batch.context_lens)):
         start, end = int(batch.cu_seqlens_q[b]), int(batch.cu_seqlens_q[b + 1])
         for h in range(Hkv):
@@ -139,7 +139,7 @@ def test_reference_matches_dense(case):
     square = mixed_squares(batch)
     expected, touched, lse = dense_expectation(batch, square_scores=square)
     initial = batch.score_cache.clone()
-    accumulate_key_scores_ref(batch.q, batch.k_cache, batch.score_cache, batch.block_tables,
+    accumulate_key_scores_ref(batch.q, batch.k_cache, batch.score_cache, batch.page_tables,
                               batch.cu_seqlens_q, batch.context_lens, lse, batch.scale, square_scores=square)
     assert_scores(batch, initial, expected, touched)
 
@@ -151,12 +151,12 @@ def test_attention_lse_gives_probabilities_summing_to_one():
     case = CASES["bs16-d64-g1"] | dict(group=4)
     batch = make_batch(**case, dtype=torch.float32)
     v_cache = torch.randn_like(batch.k_cache)
-    padded_with_0 = batch.block_tables.clamp(min=0)   # as the engine pads: the reference gathers whole pages
+    padded_with_0 = batch.page_tables.clamp(min=0)   # as the engine pads: the reference gathers whole pages
     _, lse = paged_attention_ref(batch.q, batch.k_cache, v_cache, padded_with_0, batch.cu_seqlens_q,
                                  batch.context_lens, batch.scale, return_lse=True)
-    Hkv = batch.block_tables.shape[1]
+    Hkv = batch.page_tables.shape[1]
     initial = batch.score_cache.clone()
-    accumulate_key_scores_ref(batch.q, batch.k_cache, batch.score_cache, batch.block_tables,
+    accumulate_key_scores_ref(batch.q, batch.k_cache, batch.score_cache, batch.page_tables,
                               batch.cu_seqlens_q, batch.context_lens, lse, batch.scale)
     gained = (batch.score_cache - initial).double()
     for b in range(len(batch.context_lens)):
@@ -181,7 +181,7 @@ def test_triton_matches_dense(case, dtype):
     initial = batch.score_cache.clone()
     seqs = CASES[case]["seqs"]
     batch = batch.to(KERNEL_DEVICE)
-    accumulate_key_scores_triton(batch.q, batch.k_cache, batch.score_cache, batch.block_tables,
+    accumulate_key_scores_triton(batch.q, batch.k_cache, batch.score_cache, batch.page_tables,
                                  batch.cu_seqlens_q, batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale,
                                  max_query_len=max(q for _, q in seqs), max_context_len=max(c for c, _ in seqs),
                                  square_scores=square.to(KERNEL_DEVICE))
@@ -200,7 +200,7 @@ def test_only_queries_from_score_from_count(kernel):
     initial = batch.score_cache.clone()
     accumulate = accumulate_key_scores_ref if kernel == "ref" else accumulate_key_scores_triton
     batch = batch.to(KERNEL_DEVICE)
-    accumulate(batch.q, batch.k_cache, batch.score_cache, batch.block_tables, batch.cu_seqlens_q,
+    accumulate(batch.q, batch.k_cache, batch.score_cache, batch.page_tables, batch.cu_seqlens_q,
                batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale, score_from.to(KERNEL_DEVICE),
                square_scores=square.to(KERNEL_DEVICE))
     assert_scores(batch, initial, expected, touched)
@@ -221,7 +221,7 @@ def test_only_pairs_far_enough_apart_count(kernel, case):
     accumulate = accumulate_key_scores_ref if kernel == "ref" else accumulate_key_scores_triton
     batch = batch.to(KERNEL_DEVICE)
     score_skip, positions, pos_cache = (t.to(KERNEL_DEVICE) for t in skip)
-    accumulate(batch.q, batch.k_cache, batch.score_cache, batch.block_tables, batch.cu_seqlens_q,
+    accumulate(batch.q, batch.k_cache, batch.score_cache, batch.page_tables, batch.cu_seqlens_q,
                batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale, score_from.to(KERNEL_DEVICE),
                square_scores=square.to(KERNEL_DEVICE), score_skip=score_skip, positions=positions,
                pos_cache=pos_cache)
@@ -233,7 +233,7 @@ def test_triton_launch_hints_are_optional_upper_bounds():
     batch = make_batch(**CASES["bs32-d128-g3"], dtype=torch.float32)
     expected, touched, lse = dense_expectation(batch)
     initial = batch.score_cache.clone()
-    args = (batch.q, batch.k_cache, batch.score_cache, batch.block_tables, batch.cu_seqlens_q,
+    args = (batch.q, batch.k_cache, batch.score_cache, batch.page_tables, batch.cu_seqlens_q,
             batch.context_lens, lse, batch.scale)
     accumulate_key_scores_triton(*args)
     accumulate_key_scores_triton(*args, max_query_len=100, max_context_len=300)
@@ -251,7 +251,7 @@ def test_triton_matches_dense_cuda(case, dtype):
     expected, touched, lse = dense_expectation(batch, square_scores=square)
     initial = batch.score_cache.clone()
     cuda = batch.to("cuda")
-    accumulate_key_scores_triton(cuda.q, cuda.k_cache, cuda.score_cache, cuda.block_tables,
+    accumulate_key_scores_triton(cuda.q, cuda.k_cache, cuda.score_cache, cuda.page_tables,
                                  cuda.cu_seqlens_q, cuda.context_lens, lse.cuda(), cuda.scale,
                                  square_scores=square.cuda())
     torch.cuda.synchronize()

@@ -10,11 +10,11 @@ import torch
 
 from helpers import KERNEL_DEVICE
 
-from kernels.attention import paged_attention_ref
-from kernels.attention_cpu import paged_attention_cpu
-from kernels.attention_triton import paged_attention_triton
-from kernels.decode_attention import paged_decode_attention_triton
-from kernels.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
+from kernels.attention.reference import paged_attention_ref
+from kernels.attention.cpu import paged_attention_cpu
+from kernels.attention.prefill import paged_attention_triton
+from kernels.attention.decode import paged_decode_attention_triton
+from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
 from kernels.kv_store import QUANT_MAX, dequantize, quantize, store_kv_ref, store_kv_triton
 from test_attention_triton import TOL, make_cache, mixed_chunks, mixed_squares, param_id, scattered_tables, varlen_batch
 
@@ -174,7 +174,7 @@ def test_memory_accounting_counts_the_scales():
     (block 16, the CPU backend: no decode scratch) an int8 pool holds 380,160 / 207,360 = 1.83x the
     tokens of bf16, 3.61x of fp32."""
     from models.shapes import shape_config
-    from nanokv.kv_cache import KVCache
+    from models.kv_cache import KVCache
 
     model = shape_config("smollm2-135m")
     cpu = torch.device("cpu")

@@ -9,8 +9,8 @@ from helpers import make_tiny_model
 import kernels
 from kernels.linear_cpu import PACKED_ROWS, PackedLinear, _onednn_runs, can_prepack, prepack_linears
 from nanokv import LLM
-from nanokv.config import ModelConfig
-from nanokv.loader import load_model
+from models.config import ModelConfig
+from models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

@@ -4,8 +4,8 @@ import torch
 
 from helpers import FAMILIES, VOCAB, make_tiny_model
 from nanokv import LLM, SamplingParams
-from nanokv.scheduler import ScheduledBatch
-from nanokv.sequence import Sequence
+from nanokv.engine.scheduler import ScheduledBatch
+from nanokv.engine.sequence import Sequence
 
 TOL = 1e-3
 

@@ -7,8 +7,8 @@ import torch
 
 from helpers import VOCAB, make_tiny_model
 from nanokv import LLM, SamplingParams
-from nanokv.kv_cache import BlockManager
-from nanokv.prefix_cache import PrefixCache
+from nanokv.engine.block_manager import BlockManager
+from nanokv.engine.prefix_cache import PrefixCache
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 

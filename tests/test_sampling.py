@@ -4,7 +4,7 @@ import torch
 
 from helpers import make_tiny_model
 from nanokv import LLM, SamplingParams
-from nanokv.sampling import FAILED, Sampler
+from nanokv.engine.sampler import FAILED, Sampler
 
 
 def sample_many(logits_row, params, n=4000, seed=0):

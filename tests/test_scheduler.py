@@ -5,6 +5,7 @@ import pytest
 
 from helpers import VOCAB, make_tiny_model
 from nanokv import LLM, SamplingParams
+from nanokv.engine.memory import profile_lengths
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_max_model_len_ends_a_sequence(tiny_dir):
 def test_the_memory_profiling_pass_leaves_the_pool_alone(tiny_dir):
     """On CUDA the pool is sized after this pass; it must run anywhere and write only scratch."""
     llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=160, max_num_batched_tokens=100)
-    llm.runner.profile_forward(llm.runner.profile_lengths())
+    llm.runner.profile_forward(profile_lengths(llm.config))
     llm.runner.profile_forward([1] * llm.config.max_num_seqs)   # the decode graphs' pass
     assert llm.runner.kv_cache.k.abs().sum() == 0 and llm.runner.kv_cache.v.abs().sum() == 0
 
@@ -75,12 +76,12 @@ def test_the_memory_profile_stays_inside_the_rope_table(tiny_dir, monkeypatch):
     """A step of max_num_batched_tokens longer than max_model_len is profiled as several
     sequences, none past the positions (and RoPE table rows) one sequence can reach."""
     llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=160, max_num_batched_tokens=2048)
-    assert llm.runner.profile_lengths() == [160] * 12 + [128]
+    assert profile_lengths(llm.config) == [160] * 12 + [128]
     seen = []
     forward = llm.runner.model.forward
     monkeypatch.setattr(llm.runner.model, "forward", lambda ids, positions, *rest: seen.append(positions)
                         or forward(ids, positions, *rest))
-    llm.runner.profile_forward(llm.runner.profile_lengths())
+    llm.runner.profile_forward(profile_lengths(llm.config))
     (positions,) = seen
     assert len(positions) == 2048 and int(positions.max()) < len(llm.runner.model.cos_sin) == 160
 

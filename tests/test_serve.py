@@ -16,7 +16,7 @@ import pytest
 import uvicorn
 
 from nanokv import LLM, SamplingParams
-from nanokv.serve import build_app
+from nanokv.serve.server import build_app
 
 from helpers import make_tiny_model
 
@@ -282,7 +282,7 @@ def test_the_command_line_serves_and_stops_on_sigterm(model_dir):
 
 
 def test_serve_bench_drives_the_server_and_measures_it(server):
-    from nanokv import serve_bench
+    from nanokv.tools import serve_bench
 
     requests = serve_bench.scaled_requests(8, scale=0.05, vocab=300, seed=0)
     assert all(len(p) + n <= ENGINE["max_model_len"] for p, n in requests)

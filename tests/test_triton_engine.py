@@ -92,8 +92,8 @@ def test_evicting_requests_in_cuda_graphs_match_eager(tmp_path, backend):
 def test_a_mixed_step_puts_its_decodes_first(tmp_path):
     """Flash-decoding takes the leading one-query sequences (AttentionMetadata.num_decodes),
     so the runner orders them first, whatever order the scheduler chose."""
-    from nanokv.scheduler import ScheduledBatch
-    from nanokv.sequence import Sequence
+    from nanokv.engine.scheduler import ScheduledBatch
+    from nanokv.engine.sequence import Sequence
 
     make_tiny_model(tmp_path, "llama")
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=160)
@@ -106,7 +106,7 @@ def test_a_mixed_step_puts_its_decodes_first(tmp_path):
     L, H = llm.runner.kv_cache.num_layers, llm.runner.kv_cache.num_kv_heads
     assert step.meta.context_lens.shape == (L, 2, H)
     assert (step.meta.context_lens[:, 0] == 4).all() and (step.meta.context_lens[:, 1] == 40).all()
-    blocks = step.meta.block_tables.div(H, rounding_mode="floor") % 32   # each head's pages are its blocks'
+    blocks = step.meta.page_tables.div(H, rounding_mode="floor") % 32   # each head's pages are its blocks'
     assert (blocks[:, 0, :, :1] == 3).all() and (blocks[:, 1] == torch.tensor([0, 1, 2])).all()
     assert step.input_ids[0].item() == 9 and step.positions[:2].tolist() == [3, 0]
     assert step.sample_rows == [0, 40] and step.sampled_seqs == [decode, chunk]

@@ -1,9 +1,9 @@
-"""KV-Compress's block eviction (../shared/papers/kv-compress.txt, Sec. 4.2.2): a sequence
+"""KV-Compress's block eviction (Sec. 4.2.2 of the paper): a sequence
 gives up whole pages, chosen across all its heads and layers, so the pairs each
 (layer, KV head) keeps follow its scores instead of one budget for all.
 
-Pure tensor functions of one sequence's pages; the runner reads the pairs from the
-cache, moves the survivors (kernels/compact.py) and the pages that must move.
+Pure tensor functions of one sequence's pages; the eviction surgery
+(nanokv/engine/evict.py) reads the pairs from the cache and moves them.
 """
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
 A ranking turns what a sequence holds (HeldPairs, read from the cache at
 eviction time) into a keep priority per pair: the lowest go first. It knows
-nothing of when eviction happens (nanokv/eviction/schedules.py) nor of the
-protected sinks and recent pairs (nanokv/eviction/__init__.py applies those).
+nothing of when eviction happens (schedules.py) nor of the protected sinks
+and recent pairs (method.py applies those).
 Scores are summed over the query heads of a KV head's group by the attention
-kernels (kernels/key_scores.py, kernels/decode_attention.py).
+kernels (kernels/attention/key_scores.py, kernels/attention/decode.py).
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ class ObservationWindow(Ranking):
 class SquaredAttention(Ranking):
     """KV-Compress (KVC-w): squared probabilities summed over the last `window` queries, and
     every (layer, head) keeps as many pairs as its scores earn: an eviction frees whole pages
-    chosen across all heads and layers (nanokv/eviction/pages.py). The window's own pairs are
+    chosen across all heads and layers (pages.py). The window's own pairs are
     kept (make_method protects them). With score_all (KVC-full, eq. 19): summed over every
     query so far, never reset, except that a query adds nothing to the `window` keys nearest
     before it (local attention says little about later queries); those pairs are kept."""

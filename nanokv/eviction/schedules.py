@@ -1,16 +1,24 @@
 """Schedules: when a sequence evicts, how many pairs, and what it reserves.
 
 A schedule never chooses *which* pairs go (that is the ranking's job,
-nanokv/eviction/rankings.py). Eviction always happens *before* a chunk is
-processed, so under `prefill` and `decode` the cache never holds more than
-|kv| = `budget` pairs per head, even for a moment.
+rankings.py). Eviction always happens *before* a chunk is processed, so under
+`prefill` and `decode` the cache never holds more than |kv| = `budget` pairs
+per head, even for a moment. A schedule reads a sequence's counters only
+(Progress), never the engine's Sequence itself.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from nanokv.sequence import Sequence
+
+class Progress(Protocol):
+    """The counters of a sequence a schedule reads (nanokv/engine/sequence.py keeps them)."""
+    num_prompt_tokens: int
+    num_tokens: int             # prompt and output so far
+    num_computed_tokens: int    # run through the model
+    num_uncomputed_tokens: int
+    num_kv_slots: int           # KV pairs held per head
+    max_slots: int              # the most tokens it will ever feed
 
 
 class Schedule:
@@ -21,23 +29,23 @@ class Schedule:
     def __init__(self, budget: int = 0, evict_every: int = 0):
         self.budget, self.evict_every = budget, evict_every
 
-    def evict_count(self, seq: Sequence) -> int:
+    def evict_count(self, seq: Progress) -> int:
         """KV pairs per head to drop before seq's next chunk."""
         return 0
 
-    def max_chunk(self, seq: Sequence, slots: int) -> int:
+    def max_chunk(self, seq: Progress, slots: int) -> int:
         """The most tokens seq's next chunk may process, holding `slots` pairs after eviction."""
         return seq.num_uncomputed_tokens
 
-    def reserve_slots(self, seq: Sequence) -> int:
+    def reserve_slots(self, seq: Progress) -> int:
         """Slots to hold blocks for when seq is admitted (a full cache grows later as it decodes)."""
         return seq.num_tokens
 
-    def steady_slots(self, seq: Sequence) -> int:
+    def steady_slots(self, seq: Progress) -> int:
         """Slots seq keeps blocks for after an eviction: the rest go back to the pool."""
         return seq.num_kv_slots
 
-    def next_eviction(self, seq: Sequence) -> int | None:
+    def next_eviction(self, seq: Progress) -> int | None:
         """The position before which seq evicts next (None: never), seen from its next chunk,
         its pending eviction already applied: where a windowed ranking's window ends, and
         how far a fresh sequence may reuse cached blocks."""
@@ -66,12 +74,12 @@ class Prefill(Schedule):
         return seq.num_computed_tokens + self.budget - seq.num_kv_slots
 
 
-def in_prompt(seq: Sequence) -> bool:
-    return seq.num_computed_tokens < len(seq.prompt_token_ids)
+def in_prompt(seq: Progress) -> bool:
+    return seq.num_computed_tokens < seq.num_prompt_tokens
 
 
-def prompt_just_ended(seq: Sequence) -> bool:
-    return seq.num_computed_tokens == len(seq.prompt_token_ids)
+def prompt_just_ended(seq: Progress) -> bool:
+    return seq.num_computed_tokens == seq.num_prompt_tokens
 
 
 class PromptFirst(Prefill):
@@ -79,11 +87,11 @@ class PromptFirst(Prefill):
 
     def max_chunk(self, seq, slots):
         if in_prompt(seq):   # a chunk never runs past the prompt (also when recomputing)
-            return len(seq.prompt_token_ids) - seq.num_computed_tokens
+            return seq.num_prompt_tokens - seq.num_computed_tokens
         return super().max_chunk(seq, slots)
 
     def reserve_slots(self, seq):
-        return max(len(seq.prompt_token_ids), self.steady_slots(seq))
+        return max(seq.num_prompt_tokens, self.steady_slots(seq))
 
 
 class Decode(PromptFirst):
@@ -99,7 +107,7 @@ class Decode(PromptFirst):
         return super().evict_count(seq)
 
     def next_eviction(self, seq):
-        prompt = len(seq.prompt_token_ids)
+        prompt = seq.num_prompt_tokens
         if in_prompt(seq) and prompt > self.budget - self.evict_every:
             return prompt
         return super().next_eviction(seq)
@@ -120,11 +128,11 @@ class Once(PromptFirst):
         return seq.num_uncomputed_tokens
 
     def steady_slots(self, seq):
-        prompt = len(seq.prompt_token_ids)
+        prompt = seq.num_prompt_tokens
         return min(self.budget, prompt) + seq.max_slots - prompt
 
     def next_eviction(self, seq):
-        prompt = len(seq.prompt_token_ids)
+        prompt = seq.num_prompt_tokens
         return prompt if in_prompt(seq) and prompt > self.budget else None
 
 
@@ -147,7 +155,7 @@ class ExtremeDecoding(PromptFirst):
         return 0
 
     def next_eviction(self, seq):
-        return len(seq.prompt_token_ids) if in_prompt(seq) else super().next_eviction(seq)
+        return seq.num_prompt_tokens if in_prompt(seq) else super().next_eviction(seq)
 
 
 SCHEDULES = {s.name: s for s in (Prefill, Decode, Once)}

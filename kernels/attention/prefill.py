@@ -1,0 +1,132 @@
+"""Paged attention in Triton for prefill, chunked prefill and the prompt chunks of
+mixed batches: a flash-attention kernel over the page tables (the building
+blocks, and the ideas behind them, are in tiles.py)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention.tiles import (LN2, LOG2E, MIN_BLOCK_M, check_cache, dot_config, kv_tile, load_kv_scales,
+                                     load_kv_tile, online_softmax_step, slot_pages)
+from kernels.kv_store import kernel_view
+
+PREFILL_BLOCK_M = 64   # query rows (tokens x heads of a group) of a tile; MIN_BLOCK_M for short chunks
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_ptr, v_ptr, scales_ptr, out_ptr, lse_ptr, table_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+        qk_scale,                                     # softmax scale * log2(e)
+        stride_qt, stride_qh, stride_kp, stride_ks, stride_vp, stride_vs, stride_qsp, stride_qss,
+        stride_ot, stride_oh, stride_lt, stride_table_b, stride_table_h, stride_cl,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, RETURN_LSE: tl.constexpr, QUANTIZED: tl.constexpr):
+    """One program: BLOCK_Q query tokens of one sequence x the G query heads of one KV head.
+
+    Grid (B, cdiv(max_query_len, BLOCK_Q), Hkv); programs past the end of
+    their sequence's queries return at once.
+    """
+    seq, q_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq * stride_cl + kv_head)
+    prior = context_len - q_len                       # this head's slots cached before this chunk
+
+    rows = tl.arange(0, BLOCK_M)
+    token = q_tile * BLOCK_Q + rows // G              # index of the query within the chunk
+    head = kv_head * G + rows % G                     # query head
+    row_valid = (rows // G < BLOCK_Q) & (token < q_len)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    q_rows = (q_start + token).to(tl.int64)
+
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+
+    # The last query of this tile sees up to slot kv_end - 1. Every query sees
+    # slot 0, so each row has a finite score in the first tile.
+    kv_end = prior + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    table = table_ptr + seq * stride_table_b + kv_head * stride_table_h
+    slots = tl.arange(0, BLOCK_N)
+    pages = slot_pages(table, slots, slots < kv_end, BLOCK_SIZE)
+    for n in range(0, kv_end, BLOCK_N):
+        slots = n + tl.arange(0, BLOCK_N)
+        slot_valid = slots < kv_end
+        k, v = load_kv_tile(k_ptr, v_ptr, pages, slots, slot_valid, dims, dim_valid, BLOCK_SIZE,
+                             stride_kp, stride_ks, stride_vp, stride_vs, q.dtype)
+        k_scale, v_scale = load_kv_scales(scales_ptr, pages, slots, slot_valid, BLOCK_SIZE,
+                                           stride_qsp, stride_qss, QUANTIZED)
+        pages = slot_pages(table, slots + BLOCK_N, slots + BLOCK_N < kv_end, BLOCK_SIZE)   # prefetch
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (qk_scale * k_scale)[None, :]
+        visible = slots[None, :] <= (prior + token)[:, None]    # causal by slot; implies slot < kv_end
+        s = tl.where(visible, s, float("-inf"))
+        acc, m, l = online_softmax_step(acc, m, l, s, v, v_scale, DOT_PRECISION)
+
+    out = acc / l[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    if RETURN_LSE:
+        tl.store(lse_ptr + q_rows * stride_lt + head, (m + tl.log2(l)) * LN2, mask=row_valid)
+
+
+def prefill_tiles(dtype: torch.dtype, max_query_len: int, group: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the prefill kernel: 64 x 64 tiles over 8 warps
+    (4 warps spill at 64 rows on sm_80); 16-row tiles when the chunks are short; small
+    tiles for fp32. BLOCK_M holds at least one token's whole group."""
+    tall = max_query_len * group > MIN_BLOCK_M and dtype != torch.float32
+    block_m = max(PREFILL_BLOCK_M if tall else MIN_BLOCK_M, triton.next_power_of_2(group))
+    block_n, num_warps = kv_tile(dtype)
+    return block_m, block_n, 8 if block_m >= 64 else num_warps
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           page_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, return_lse: bool = False,
+                           max_query_len: int | None = None, out: torch.Tensor | None = None,
+                           kv_scales: torch.Tensor | None = None):
+    """Same contract as paged_attention_ref: q [T, Hq, D] -> out [T, Hq, D] in q's
+    dtype, and with return_lse also lse [T, Hq] fp32 (natural log of each
+    query's softmax denominator).
+
+    page_tables [B, Hkv, nb], context_lens [B, Hkv] (kernels/kv_store.py).
+    max_query_len: the longest chunk in the batch; the caller knows it, and
+    passing it avoids reading it back from the device (a sync).
+    out: where to write, else a new tensor. Only the rows of the B sequences are
+    written, so a caller may hand this kernel some sequences of a batch
+    (cu_seqlens_q and the tables sliced, q and out whole) and the others to
+    flash-decoding. kv_scales: the scales of a quantized cache (kernels/kv_store.py).
+    """
+    scales = check_cache(q, k_cache, v_cache, kv_scales, page_tables, context_lens)
+    T, Hq, D = q.shape
+    Hkv, block_size = page_tables.shape[1], k_cache.shape[1]
+    G = Hq // Hkv
+    B = cu_seqlens_q.shape[0] - 1
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(T, Hq, dtype=torch.float32, device=q.device)
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if B > 0 else 0
+    if T > 0 and B > 0 and max_query_len > 0:
+        block_m, block_n, num_warps = prefill_tiles(q.dtype, max_query_len, G)
+        block_q = block_m // G
+        upcast, precision = dot_config(q.dtype)
+        grid = (B, triton.cdiv(max_query_len, block_q), Hkv)
+        _paged_attention_kernel[grid](
+            q, kernel_view(k_cache), kernel_view(v_cache), scales, out, lse, page_tables, cu_seqlens_q, context_lens,
+            scale * LOG2E,
+            q.stride(0), q.stride(1), *k_cache.stride()[:2], *v_cache.stride()[:2], *scales.stride()[:2],
+            out.stride(0), out.stride(1), lse.stride(0), *page_tables.stride()[:2], context_lens.stride(0),
+            HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
+            G=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
+            UPCAST=upcast, DOT_PRECISION=precision, RETURN_LSE=return_lse, QUANTIZED=kv_scales is not None,
+            num_warps=num_warps)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,171 @@
+"""The building blocks of the Triton attention kernels: prefill (prefill.py),
+flash-decoding (decode.py) and the key scores (key_scores.py).
+
+All read K and V straight from the paged cache (layout in kernels/kv_store.py)
+through the page tables, and follow the semantics of the torch oracle,
+kernels/attention/reference.py: sequence b owns query rows
+cu_seqlens_q[b]:cu_seqlens_q[b+1] and query j of it sees slots
+0 .. context_lens[b, h] - q_len + j of KV head h.
+
+Ideas shared by the kernels:
+
+* Online softmax. Keys are visited one tile of BLOCK_N slots at a time; each
+  query row keeps a running max m, a running denominator l and an unnormalised
+  output acc, rescaled whenever the max grows. Nothing of size context_len is
+  ever materialised, and K and V are read exactly once.
+* Base-2 exponentials. Scores are kept in log2 units (the softmax scale is
+  multiplied by log2(e) once), so every exponential is a bare exp2, the
+  instruction the hardware has. Log-sum-exps are converted back to natural
+  logs only when they are written out.
+* Per-slot page lookup. A key tile is BLOCK_N consecutive slots of one
+  (sequence, KV head); each slot finds its page through that head's row of the
+  page tables. The tile size is therefore independent of the block size (any
+  multiple of 16), and a tile may straddle pages.
+* GQA packing. The G = Hq / Hkv query heads that share a KV head are computed
+  by one program, as rows of the same tile, so each K/V tile loaded serves all
+  of them. In the prefill kernel row r of a tile is query token r // G, query
+  head r % G (vLLM's unified attention does the same); rows that fall past the
+  tile or the sequence are padding and are masked out, so G need not be a power
+  of 2 (the bundled model has G = 3).
+* Pages. A page holds the slots of one KV head, so every program, which serves
+  one KV head, reads its own row of the page tables [B, Hkv, nb] and its own
+  context length context_lens[b, h]; heads of a sequence may hold different
+  numbers of slots (per-head eviction), and no head offset enters an address.
+* Precision. Accumulation is always fp32. On a GPU, 16-bit operands go to the
+  tensor cores as they are; fp32 operands use "ieee" precision (TF32 would
+  be off by ~3e-4). Triton's interpreter multiplies bf16 operands wrongly, so
+  there (only there) bf16 tiles are upcast to fp32 before tl.dot.
+* Quantized caches (int8, fp8; kernels/kv_store.py). K and V tiles are loaded
+  in 8 bits and converted in registers to q's dtype (exact: int8 and e4m3
+  values are bf16/fp16 values); the scales fold into the softmax instead of
+  the tiles: a key's scale multiplies its column of scores, a value's scale its
+  column of probabilities before they meet V. With an unquantized cache the
+  scales are constant ones, which the compiler folds away.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.kv_store import QUANT_MAX, from_cache
+
+LOG2E = math.log2(math.e)
+LN2 = tl.constexpr(math.log(2.0))    # turns the kernels' log2-sum-exps into natural logs
+
+# Tile sizes. Prefill: BLOCK_M query rows (tokens x heads of a group) against
+# BLOCK_N key slots; a batch whose query tiles would be mostly padding (short
+# chunks) uses the minimum tl.dot height of 16 instead. Decode is bound by
+# reading K and V, so its query tile is just the group, padded to 16 rows for
+# tl.dot. fp32 tiles are smaller: at 64 x 64 an exact ("ieee") fp32 dot needs
+# more registers than a thread has and spills (kernels/compile_check.py).
+MIN_BLOCK_M = 16
+BLOCK_N = 64
+FP32_BLOCK_N = 32
+
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dot_config(dtype: torch.dtype) -> tuple[bool, str]:
+    """(upcast, input_precision) for the tl.dots of a cache in `dtype`.
+
+    Upcast bf16 tiles to fp32 only under the interpreter, whose bf16 dot is
+    wrong; a GPU must keep them 16-bit to use its tensor cores at full speed.
+    "ieee" keeps fp32 dots exact on a GPU; "tf32", Triton's default, leaves
+    16-bit dots as they are.
+    """
+    upcast = _INTERPRETER and dtype == torch.bfloat16
+    exact = upcast or dtype == torch.float32
+    return upcast, "ieee" if exact else "tf32"
+
+
+def check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: torch.Tensor | None,
+                 page_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """Check the cache and the tables against q; returns the scales the kernels read (a stand-in
+    when unquantized). The kernels find context_lens[b, h] at b * stride(0) + h."""
+    assert k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype and k_cache.dim() == 3
+    assert k_cache.dtype == q.dtype or k_cache.dtype in QUANT_MAX, (k_cache.dtype, q.dtype)
+    assert (kv_scales is not None) == (k_cache.dtype in QUANT_MAX), "a quantized cache, and only one, has scales"
+    assert page_tables.dim() == 3 and context_lens.shape == page_tables.shape[:2], \
+        f"tables {tuple(page_tables.shape)} must be [B, Hkv, nb], context_lens {tuple(context_lens.shape)} [B, Hkv]"
+    assert context_lens.stride(1) == 1 and page_tables.stride(2) == 1, "context_lens, tables: last dim contiguous"
+    assert q.shape[-2] % page_tables.shape[1] == 0, "query heads must be a multiple of KV heads"
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1, "head_dim must be contiguous"
+    assert k_cache.shape[1] % 16 == 0, "cache block size must be a multiple of 16"
+    if kv_scales is None:
+        return k_cache   # a stand-in the kernels never read (QUANTIZED off)
+    assert kv_scales.shape == (*k_cache.shape[:2], 2) and kv_scales.stride(2) == 1, kv_scales.shape
+    return kv_scales
+
+
+@triton.jit
+def slot_pages(table_ptr, slots, valid, BLOCK_SIZE: tl.constexpr):
+    """The page (int64) of each of the given slots of one (sequence, KV head).
+
+    table_ptr points at that sequence's and head's row of the page tables.
+    Slots outside `valid` look nothing up and get page 0 (their loads are
+    masked anyway), so a padding row of zeros or a short table is never read
+    past its end. int64: page * stride can pass 2**31 elements in a large cache.
+    """
+    return tl.load(table_ptr + slots // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+
+
+@triton.jit
+def load_kv_tile(k_ptr, v_ptr, pages, slots, slot_valid, dims, dim_valid, BLOCK_SIZE: tl.constexpr,
+                  stride_kp, stride_ks, stride_vp, stride_vs, dtype: tl.constexpr):
+    """The K and V rows [BLOCK_N, HEAD_DIM_PAD] of the given slots, which live in `pages`
+    (zeros where a slot or a dimension is not valid), converted to `dtype` (q's: this
+    upcasts under the interpreter and turns 8-bit values into 16-bit ones).
+
+    The loops that call this look up the *next* tile's pages while the current
+    tile is being processed (software prefetch of the table): a K/V address that
+    depends on a table load of the same iteration keeps Triton's pipeliner from
+    double-buffering K and V below num_stages 5; one that comes from the
+    previous iteration does not (checked in kernels/compile_check.py).
+    """
+    offset = slots % BLOCK_SIZE
+    kv_mask = slot_valid[:, None] & dim_valid[None, :]
+    k = tl.load(k_ptr + (pages * stride_kp + offset * stride_ks)[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + (pages * stride_vp + offset * stride_vs)[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    return from_cache(k, dtype), from_cache(v, dtype)
+
+
+@triton.jit
+def load_kv_scales(scales_ptr, pages, slots, slot_valid, BLOCK_SIZE: tl.constexpr,
+                    stride_p, stride_s, QUANTIZED: tl.constexpr):
+    """The K and V scales [BLOCK_N] of the given slots (kernels/kv_store.py); constant ones
+    for an unquantized cache, so that multiplying by them costs nothing."""
+    if QUANTIZED:
+        at = scales_ptr + pages * stride_p + (slots % BLOCK_SIZE) * stride_s
+        return tl.load(at, mask=slot_valid, other=0.0), tl.load(at + 1, mask=slot_valid, other=0.0)
+    ones = tl.full(slots.shape, 1.0, tl.float32)
+    return ones, ones
+
+
+@triton.jit
+def online_softmax_step(acc, m, l, s, v, v_scale, DOT_PRECISION: tl.constexpr):
+    """Fold one key tile into the running softmax of each query row.
+
+    s [M, N]: scores in log2 units, -inf where masked; v [N, D]: the tile's values,
+    each row to be multiplied by its v_scale [N].
+    Callers guarantee each row has a finite score by its first tile, so the
+    running max is finite and exp2(-inf - m) = 0 removes masked keys.
+    """
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)            # rescales what was accumulated under the old max
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l
+
+
+def kv_tile(dtype: torch.dtype, quantized: bool = False) -> tuple[int, int]:
+    """(BLOCK_N, num_warps) for a loop over key tiles: exact fp32 dots take smaller tiles
+    over more warps, else they spill (kernels/compile_check.py); so do the conversions of
+    8-bit tiles at head_dim 128 with 4 warps (flash-decoding on sm_90, key scores on sm_80)."""
+    if dtype == torch.float32:
+        return FP32_BLOCK_N, 8
+    return BLOCK_N, 8 if quantized else 4

@@ -1,0 +1,33 @@
+"""The attention metadata of one step: built once by the engine's runner, read by every layer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import DecodeWorkspace, StepPlan
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each new token goes in the paged cache, and what each sequence attends to.
+
+    The batch is flat: sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1].
+    Sequences that decode (one query each) come first, so that their rows go to
+    flash-decoding together and the prompt chunks after them to the prefill kernel.
+    Every (layer, KV head) of a sequence has its own pages and length (models/kv_cache.py):
+    layer i reads slot_mapping[i], context_lens[i] and page_tables[i].
+    """
+    slot_mapping: torch.Tensor   # [L, T, Hkv] int64: cache slot of each new token's pair (-1: padding)
+    cu_seqlens_q: torch.Tensor   # [B+1] int32: query row offsets
+    context_lens: torch.Tensor   # [L, B, Hkv] int32: slots each head attends to, this step's included
+    page_tables: torch.Tensor    # [L, B, Hkv, max_pages] int32: each head's pages, padded with 0
+    max_query_len: int           # longest query chunk (1: a pure decode step)
+    max_context_len: int         # an upper bound of context_lens (decode graphs: max_model_len)
+    num_decodes: int = 0         # the first num_decodes sequences have one query each
+    accumulate_scores: bool = False  # add each key's attention probabilities to its slot's score
+    score_from: torch.Tensor | None = None  # [B] int32: only queries from this index of a chunk add (None: all)
+    square_scores: torch.Tensor | None = None  # [B] bool: the sequence adds squared probabilities (None: none does)
+    score_skip: torch.Tensor | None = None  # [B] int32: queries add nothing to keys fewer positions before (KVC-full)
+    decode_workspace: DecodeWorkspace | None = None  # flash-decoding's scratch, allocated once (None: per call)
+    cpu_plan: StepPlan | None = None   # the CPU backend's gathers and masks for every layer, built once per step

@@ -1,0 +1,85 @@
+"""The paged KV cache's tensors: one pool of fixed-size blocks shared by all sequences.
+
+A block holds block_size tokens of every layer and KV head. It is made of
+L x Hkv *pages*, one per (layer, KV head), and the kernels address pages
+(KV-Compress, Sec. 4.2.1): each (sequence, layer, KV head) has its own page
+table and context length, so after per-head eviction heads hold different
+numbers of pairs. Page `(layer * num_blocks + block) * Hkv + head` is block's
+own page for that head (a layer's pages lie together, as a per-layer pool
+would), and those make the whole page table of a sequence whose heads all
+hold the same pairs. Which blocks are free is the engine's business
+(nanokv/engine/block_manager.py); this module only lays out the tensors.
+
+Beside K and V, every slot carries the metadata eviction needs: the original
+token position (int32) and an attention score (fp32), and, when the cache is
+quantized (int8 or fp8), the scales of K and V. One more buffer is scratch,
+shared by all layers: the raw attention logits a scored decode step keeps per
+slot and query head until it knows each query's softmax denominator
+(kernels/attention/decode.py); only the Triton kernels use it, and only they get it.
+"""
+from __future__ import annotations
+
+import torch
+
+import kernels
+from kernels import QUANT_MAX
+from models.config import ModelConfig
+
+
+class KVCache:
+    """The tensors of the pool (layout documented in kernels/kv_store.py), all layers in one.
+    dtype: the cache's (the model's, or int8 / fp8 e4m3 for a quantized cache, whose K and V
+    carry scales)."""
+
+    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_layers, self.num_kv_heads = model.num_layers, model.num_kv_heads
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.block_bytes = self.bytes_per_block(model, block_size, dtype, device)
+        shape = (model.num_layers * num_blocks * model.num_kv_heads, block_size)
+        # Zeroed, not empty: attention reads whole pages and masks the unused slots,
+        # and 0 * NaN from uninitialised memory would still be NaN.
+        self.k = torch.zeros(*shape, model.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.positions = torch.zeros(shape, dtype=torch.int32, device=device)
+        self.scores = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.logits = kernels.logits_scratch(shape[0], model.num_heads // model.num_kv_heads, block_size, device)
+        quantized = dtype in QUANT_MAX
+        self.kv_scales = torch.zeros(*shape, 2, device=device) if quantized else None
+        layers = torch.arange(self.num_layers, device=device)[:, None, None]
+        heads = torch.arange(self.num_kv_heads, device=device)[None, :, None]
+        self._page_offsets = (layers * num_blocks * self.num_kv_heads + heads).int()   # [L, Hkv, 1]
+
+    def pages(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Block ids [..., nb] -> their pages [..., L, Hkv, nb]: each head's page table."""
+        return blocks.to(torch.int32)[..., None, None, :] * self.num_kv_heads + self._page_offsets
+
+    def batch_pages(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Block ids [B, nb] -> the step's page tables [L, B, Hkv, nb], layer first as the
+        kernels read them, built in one allocation."""
+        return (blocks.to(torch.int32) * self.num_kv_heads)[None, :, None] + self._page_offsets[:, None]
+
+    @property
+    def per_slot(self) -> tuple[torch.Tensor, ...]:
+        """Every buffer [num_pages, bs, ...] whose slots move with their pair (kernels/compact.py)."""
+        scales = () if self.kv_scales is None else (self.kv_scales,)
+        return (self.k, self.v, self.positions, self.scores, *scales)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Blocks src into dst, every page, their scores zeroed: a sequence's own copy of
+        cached blocks that it will write into (eviction compacts them, scores accumulate)."""
+        device = self.k.device
+        src_pages, dst_pages = (self.pages(torch.tensor(b, device=device)).flatten() for b in (src, dst))
+        for per_slot in self.per_slot:   # K, V (and their scales), positions
+            if per_slot is not self.scores:
+                per_slot[dst_pages] = per_slot[src_pages]
+        self.scores[dst_pages] = 0.0
+
+    @staticmethod
+    def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
+        """Memory of one block: K and V (and their two fp32 scales if quantized), position,
+        score and (Triton) the logits scratch of its G query heads, in every page."""
+        kv = 2 * model.head_dim * dtype.itemsize
+        metadata = 4 + 4 + (2 * 4 if dtype in QUANT_MAX else 0)
+        logits = kernels.scratch_bytes_per_slot(model.num_heads // model.num_kv_heads, device)
+        return model.num_layers * model.num_kv_heads * block_size * (kv + metadata + logits)

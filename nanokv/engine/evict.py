@@ -1,0 +1,170 @@
+"""Eviction surgery: the scheduler's evictions carried out on the paged cache.
+
+The scheduler decides who drops how many pairs (the method's schedule); here each
+(layer, KV head)'s pairs are read from the cache, ranked by the method's ranking,
+and the survivors compacted into the head's first slots in their old order, so
+slot order stays position order (kernels.compact_kv). Sequences of one rule,
+size and count are ranked together; an uneven method (kvcompress) gives up whole
+pages chosen across all its heads and layers (nanokv/eviction/pages.py).
+
+Ranking and moving allocate memory per held pair (held_pair_bytes), so the
+pairs are taken a piece at a time, (sequences, layers), each within PIECE_BYTES
+but at least one layer of one sequence: reserve_bytes is what the pool sizing
+sets aside for it.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+
+import kernels
+from models import KVCache
+from nanokv.engine.scheduler import Eviction
+from nanokv.engine.sequence import HeadPages, Sequence
+from nanokv.eviction import HeldPairs
+from nanokv.eviction.pages import choose_pages, kept_slots, page_costs, repage
+
+PIECE_BYTES = 256 * 2**20
+
+
+def held_pair_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """The most one held pair costs while it is ranked and moved: its position, score and
+    priority, the sorts' int64 indices, its key in fp32 (knorm) and the copies of its K, V
+    and scales that compaction gathers."""
+    return 64 + head_dim * (2 * kv_dtype.itemsize + 4) + 16
+
+
+def reserve_bytes(num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, max_model_len: int) -> int:
+    """What eviction allocates at most at once: a piece, or one layer of a sequence as long as it gets."""
+    return max(PIECE_BYTES, num_kv_heads * max_model_len * held_pair_bytes(head_dim, kv_dtype))
+
+
+def read_slots(per_slot: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n slots of each head, through its pages tables [S, L, H, nb], from a
+    per-slot buffer [num_pages, bs, ...] -> [S, L, H, n, ...]."""
+    return per_slot[tables.long()].flatten(3, 4)[:, :, :, :n]
+
+
+class Evictor:
+    def __init__(self, cache: KVCache):
+        self.cache, self.block_size, self.device = cache, cache.block_size, cache.k.device
+        self.piece_pairs = PIECE_BYTES // held_pair_bytes(cache.k.shape[-1], cache.k.dtype)
+
+    def evict(self, evictions: list[Eviction]) -> None:
+        """Drop each eviction's pairs from every (layer, KV head) of its sequence and compact
+        the survivors into the first slots."""
+        groups = defaultdict(list)
+        for eviction in evictions:
+            if eviction.seq.method.uneven:
+                self._evict_pages(eviction)
+            else:
+                groups[eviction.seq.method.rule, eviction.num_slots, eviction.num_evicted].append(eviction.seq)
+        for (_, num_slots, num_evicted), seqs in groups.items():
+            tables = self._tables(seqs, num_slots)
+            for in_piece, layers in self._pieces(len(seqs), num_slots):
+                piece = tables[in_piece, layers]
+                kernels.compact_kv(self.cache.per_slot, piece, self._survivors(seqs[in_piece], piece, num_slots,
+                                                                               num_evicted))
+                if seqs[0].method.windowed:   # its scores restart: the next window counts from zero
+                    self.cache.scores[piece] = 0.0
+
+    def _pieces(self, num_seqs: int, num_slots: int) -> Iterator[tuple[slice, slice]]:
+        """(sequences, layers) of a group whose held pairs fit in a piece: whole sequences
+        while one fits, else one sequence's layers a few at a time (at least one)."""
+        L, H = self.cache.num_layers, self.cache.num_kv_heads
+        layers = max(1, min(L, self.piece_pairs // (H * num_slots)))
+        if layers < L:
+            for s in range(num_seqs):
+                for first in range(0, L, layers):
+                    yield slice(s, s + 1), slice(first, first + layers)
+        else:
+            seqs = max(1, self.piece_pairs // (L * H * num_slots))
+            for first in range(0, num_seqs, seqs):
+                yield slice(first, first + seqs), slice(None)
+
+    def _tables(self, seqs: list[Sequence], num_slots: int) -> torch.Tensor:
+        """[S, L, Hkv, nb]: each head's pages holding the sequences' first num_slots slots."""
+        nb = -(-num_slots // self.block_size)
+        return self.cache.pages(torch.tensor([seq.block_table[:nb] for seq in seqs], device=self.device))
+
+    def _held(self, seqs: list[Sequence], tables: torch.Tensor, n: int, lens: torch.Tensor | None = None) -> HeldPairs:
+        current = torch.tensor([seq.num_computed_tokens - 1 for seq in seqs], device=self.device)
+        return HeldPairs(read_slots(self.cache.positions, tables, n), read_slots(self.cache.scores, tables, n),
+                         current=current[:, None, None, None], key_norms=lambda: self._key_norms(tables, n), lens=lens)
+
+    def _key_norms(self, tables: torch.Tensor, n: int) -> torch.Tensor:
+        """[S, L, H, n]: the L2 norms of the keys of the first n slots, dequantized if the cache is
+        quantized, in fp32 at least (float64 stays float64)."""
+        scales = self.cache.kv_scales
+        keys = kernels.dequantize(read_slots(self.cache.k, tables, n),
+                                  None if scales is None else read_slots(scales, tables, n)[..., 0])
+        return keys.to(torch.promote_types(keys.dtype, torch.float32)).norm(dim=-1)
+
+    def _survivors(self, seqs: list[Sequence], tables: torch.Tensor, num_slots: int,
+                   num_evicted: int) -> torch.Tensor:
+        """[S, L, H, num_slots - num_evicted] ascending slot indices each head keeps, by the
+        sequences' common rule: a stable ascending sort evicts the lowest first, ties by slot
+        (= by position)."""
+        if num_evicted == 0:
+            return torch.arange(num_slots, device=self.device).expand(len(seqs), *tables.shape[1:3], -1)
+        priority = seqs[0].method.keep_priority(self._held(seqs, tables, num_slots))
+        return priority.argsort(dim=-1, stable=True)[..., num_evicted:].sort(dim=-1).values
+
+    def _head_pages(self, seq: Sequence, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An uneven method's pages [L, Hkv, W] and pairs per head [L, Hkv] when it holds
+        num_slots slots (per head on average): its blocks' pages until its first eviction."""
+        own = seq.head_pages
+        if own is None:
+            tables = self._tables([seq], num_slots)[0]
+            return tables, torch.full(tables.shape[:2], num_slots, device=self.device)
+        return own.tables, own.lens.long() + (num_slots - own.slots)
+
+    def _evict_pages(self, eviction: Eviction) -> None:
+        """KV-Compress: the sequence's heads go down to num_slots - num_evicted pairs each on
+        average by giving up whole pages, chosen across all heads and layers by the ranking;
+        each head's survivors move to the front of its pages (MoveCache), and its pages in
+        blocks the sequence gives back after this step move into the blocks it keeps, whose
+        unused pages are shared out among the heads. The pages' costs are computed a piece of
+        layers at a time, then chosen over all, then each piece compacted."""
+        seq, num_slots = eviction.seq, eviction.num_slots
+        tables, lens = self._head_pages(seq, num_slots)
+        L, H, width = tables.shape
+        bs, n = self.block_size, width * self.block_size
+        pieces = [layers for _, layers in self._pieces(1, n)]
+
+        def priority(layers: slice) -> torch.Tensor:
+            return seq.method.keep_priority(self._held([seq], tables[None, layers], n, lens[None, layers]))[0]
+        held_pages = -(-lens // bs)
+        target = (num_slots - eviction.num_evicted) * L * H // bs
+        costs = torch.cat([page_costs(priority(layers), lens[layers], bs, seq.method.floor_pages(bs))
+                           for layers in pieces])
+        evicted = choose_pages(costs, max(int(held_pages.sum()) - target, 0))
+        kept_lens = torch.empty_like(lens)
+        for layers in pieces:
+            keep, kept_lens[layers] = kept_slots(priority(layers), lens[layers], evicted[layers], bs)
+            kernels.compact_kv(self.cache.per_slot, tables[layers], keep, kept_lens[layers])
+        if seq.method.windowed:   # its scores restart (KVC-full's keep accumulating)
+            self.cache.scores[tables[torch.arange(width, device=self.device) < held_pages[..., None]]] = 0.0
+        staying = self.cache.pages(torch.tensor(seq.block_table[:eviction.num_blocks_kept], device=self.device))
+        tables, src, dst = repage(tables, held_pages - evicted, staying.flatten())
+        for buffer in self.cache.per_slot:
+            buffer[dst.long()] = buffer[src.long()]
+        seq.head_pages = HeadPages(tables, kept_lens.int(), seq.num_kv_slots)
+
+    def kept_positions(self, seq: Sequence) -> torch.Tensor:
+        """The original positions of the pairs seq holds at the end, per layer and KV head:
+        [L, H, n], -1 after a head's last pair when heads hold different numbers. A method
+        whose algorithm evicts right after a chunk (ED) still has that eviction pending here
+        (the engine evicts before the next chunk): it is applied."""
+        n = seq.num_kv_slots
+        if seq.method.uneven:
+            tables, lens = self._head_pages(seq, n)
+            positions = read_slots(self.cache.positions, tables[None], tables.shape[-1] * self.block_size)[0]
+            slot = torch.arange(positions.shape[-1], device=self.device)
+            return positions.masked_fill(slot >= lens[..., None], -1)[..., :int(lens.max())].cpu()
+        tables = self._tables([seq], n)
+        pending = seq.method.evict_count(seq) if seq.method.evicts_eagerly else 0
+        keep = self._survivors([seq], tables, n, pending)
+        return read_slots(self.cache.positions, tables, n).gather(-1, keep)[0].cpu()

@@ -1,0 +1,82 @@
+"""The batched sampler: one token per row of logits, every row with its own parameters."""
+from __future__ import annotations
+
+import torch
+
+from nanokv.sampling_params import SamplingParams
+
+FAILED = -1   # the token of a row that could not be sampled (its error is in Sampler.errors)
+
+
+class Sampler:
+    """Picks one token per row of logits, every row with its own parameters.
+
+    All rows go through the same tensor ops. Random rows use the exponential
+    race (argmax of p / E with E ~ Exp(1) draws from p); rows with a seed draw
+    their E from their own generator, so their tokens do not depend on what
+    else is in the batch.
+
+    A failure cannot be pinned on a row of the batched pass, so after one every
+    row is sampled again on its own: a row that fails alone gets the token
+    FAILED and its error in `errors`; greedy and seeded rows get the token the
+    batched pass would have given them (seeded streams are rewound first).
+    """
+
+    def __init__(self, device: torch.device, seed: int):
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.errors: dict[int, Exception] = {}   # row -> why it got FAILED, in row order
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> torch.Tensor:
+        self.errors = {}
+        states = {}   # row -> its seeded stream before this call
+        try:
+            for row, gen in enumerate(generators):
+                if gen is not None:
+                    states[row] = gen.get_state()
+            return self._sample(logits, params, generators)
+        except Exception:
+            return self._sample_rows_alone(logits, params, generators, states)
+
+    def _sample_rows_alone(self, logits: torch.Tensor, params: list[SamplingParams],
+                           generators: list[torch.Generator | None], states: dict) -> torch.Tensor:
+        tokens = []
+        for row, (p, gen) in enumerate(zip(params, generators)):
+            try:
+                if row in states:   # rows without a state had drawn nothing yet
+                    gen.set_state(states[row])
+                tokens.append(int(self._sample(logits[row:row + 1], [p], [gen])[0]))
+            except Exception as error:
+                self.errors[row] = error
+                tokens.append(FAILED)
+        return torch.tensor(tokens, device=logits.device)
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)
+        if all(p.temperature == 0 for p in params):
+            return greedy
+        device = logits.device
+        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        probs = (logits / temperature[:, None]).softmax(dim=-1)
+        if any(p.top_k or p.top_p < 1 for p in params):
+            probs = self._truncate(probs, params)
+        races = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, gen in enumerate(generators):
+            if gen is not None:
+                races[row].exponential_(generator=gen)
+        sampled = (probs / races).argmax(dim=-1)
+        is_greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
+        return torch.where(is_greedy, greedy, sampled)
+
+    @staticmethod
+    def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Zero every token outside each row's top-k and top-p set (the top token always stays)."""
+        device, vocab = probs.device, probs.shape[-1]
+        top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=device)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = (rank[None] >= top_k[:, None]) | (mass_before >= top_p[:, None])
+        return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))

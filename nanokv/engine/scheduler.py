@@ -1,0 +1,202 @@
+"""Which sequences run in the next step, how many tokens each, and who evicts.
+
+Continuous batching: sequences join and leave the running set every step.
+Each step fills a token budget: first the running sequences (one token per
+decoding sequence, or the next chunk of an unfinished prompt), then newly
+admitted prompts. Admission reserves blocks for what a sequence can hold at
+its peak: its prompt with a full cache, only its budget |kv| when it evicts
+as it reads the prompt (nanokv/eviction/). When a sequence needs a block
+and none is free, the most recently admitted sequence is preempted: its
+blocks are freed and it goes back to the front of the waiting queue, to be
+recomputed from its tokens when there is room.
+
+Prefix caching (prefix_cache.py): a sequence is admitted with the
+longest run of cached full blocks that starts its tokens already computed, as
+far as its method allows (KVMethod.reusable_tokens). A sequence that never
+evicts shares those blocks, and enters its own full blocks into the cache in
+the step that fills them; one that evicts writes into its blocks (compaction,
+scores), so it takes a copy of computed ones and enters nothing. A block is
+written once, by the sequence that fills it: a shared block is never modified.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from nanokv.config import EngineConfig
+from nanokv.engine.block_manager import BlockManager
+from nanokv.engine.sequence import Sequence, Status
+
+
+@dataclass
+class Eviction:
+    """Before this step's forward pass, seq drops num_evicted of its num_slots pairs per head;
+    after the step it gives back its blocks beyond the first num_blocks_kept."""
+    seq: Sequence
+    num_evicted: int
+    num_slots: int
+    num_blocks_kept: int
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)   # tokens each sequence runs this step
+    evictions: list[Eviction] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)   # (cached block, a sequence's own): before the step
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager, eos_token_ids: set[int]):
+        self.config = config
+        self.blocks = blocks
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []   # in admission order: the last is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status == Status.RUNNING:   # not preempted earlier in this loop
+                budget -= self._plan(seq, budget, batch)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            room = self._room_for(seq)
+            if room is None:
+                break
+            self.waiting.popleft()
+            self._admit(seq, *room, batch)
+            self.running.append(seq)
+            budget -= self._plan(seq, budget, batch)
+        # Blocks to copy were held so that no allocation above reclaimed them; none happens
+        # between here and the runner's copy at the start of the step.
+        self.blocks.free([cached for cached, _ in batch.copies])
+        return batch
+
+    def _room_for(self, seq: Sequence) -> tuple[list[tuple[int, int]], int] | None:
+        """The cached blocks seq starts with and the number of blocks to allocate for it; None
+        if the pool cannot take it now. A cached block no one holds counts as free until seq
+        takes it; one that copies holds its sources while its own blocks are allocated, so it
+        copies fewer rather than wait."""
+        hits = self._cached_prefix(seq)
+        shares = seq.method.shares_blocks
+        needed = self.blocks.blocks_for(seq.method.reserve_slots(seq)) - (len(hits) if shares else 0)
+        taken = sum(self.blocks.ref_counts[block] == 0 for block, _ in hits)
+        while hits and not shares and not self.blocks.can_allocate(needed + taken):
+            taken -= self.blocks.ref_counts[hits.pop()[0]] == 0
+        return (hits, needed) if self.blocks.can_allocate(needed + taken) else None
+
+    def _cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
+        """(block, cache entry) of the cached blocks seq may start with. At least one token is
+        left to compute (its logits are sampled from); with prompt_logprobs, every position."""
+        if self.blocks.cache is None or seq.prompt_logprobs is not None:
+            return []
+        limit = min(seq.method.reusable_tokens(seq), seq.num_tokens - 1)
+        return self.blocks.cache.match(seq.token_ids, limit, computed=not seq.method.shares_blocks)
+
+    def _admit(self, seq: Sequence, hits: list[tuple[int, int]], needed: int, batch: ScheduledBatch) -> None:
+        cached = [block for block, _ in hits]
+        self.blocks.share(cached)
+        own = self.blocks.allocate(needed)
+        if seq.method.shares_blocks:
+            seq.block_table = cached + own
+            seq.prefix_serials = [serial for _, serial in hits]
+        else:   # a copy of its own, made by the runner
+            seq.block_table = own
+            batch.copies += zip(cached, own)
+        seq.num_computed_tokens = seq.num_kv_slots = len(cached) * self.blocks.block_size
+        seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
+        seq.status = Status.RUNNING
+
+    def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        """Put seq's next chunk (and the eviction before it) in the batch; returns its
+        length, 0 if seq had to be preempted for lack of blocks."""
+        evict = seq.method.evict_count(seq)
+        slots = seq.num_kv_slots - evict
+        n = min(budget, seq.method.max_chunk(seq, slots))
+        if not self._make_room(seq, slots + n):
+            return 0
+        if evict:   # what it keeps after the step: the chunk's slots, and at least its steady size
+            kept = self.blocks.blocks_for(max(slots + n, seq.method.steady_slots(seq)))
+            batch.evictions.append(Eviction(seq, evict, seq.num_kv_slots, kept))
+            seq.num_kv_slots = slots   # the runner compacts before the forward pass
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+        full = (seq.num_computed_tokens + n) // self.blocks.block_size
+        if self.blocks.cache is not None and seq.method.shares_blocks and full > len(seq.prefix_serials):
+            self.blocks.cache.add(seq.prefix_serials, seq.block_table, seq.token_ids, seq.num_computed_tokens + n)
+        return n
+
+    def _make_room(self, seq: Sequence, num_slots: int) -> bool:
+        """Give seq blocks for num_slots slots, preempting newer sequences if the pool is
+        empty. False if seq itself had to be preempted."""
+        missing = self.blocks.blocks_for(num_slots) - len(seq.block_table)
+        if missing <= 0:
+            return True
+        while not self.blocks.can_allocate(missing):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.block_table += self.blocks.allocate(missing)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.block_table, seq.prefix_serials, seq.head_pages = [], [], None
+        seq.num_computed_tokens = seq.num_kv_slots = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[tuple[Sequence, str]]:
+        """Record the step: tokens computed, blocks emptied by eviction, tokens sampled
+        (seq_id -> token). Returns the sequences now done, with why; the caller finishes them."""
+        if self.blocks.cache is not None:
+            self.blocks.cache.commit()   # the blocks the step filled are computed
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            seq.num_kv_slots += n
+        for eviction in batch.evictions:   # compacted: the blocks beyond those it keeps go back
+            seq = eviction.seq
+            self.blocks.free(seq.block_table[eviction.num_blocks_kept:])
+            del seq.block_table[eviction.num_blocks_kept:]
+        done = []
+        for seq in batch.seqs:
+            token = sampled.get(seq.seq_id)
+            if token is None:
+                continue
+            seq.output_token_ids.append(token)
+            p = seq.params
+            if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+                done.append((seq, "stop"))
+            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                done.append((seq, "length"))
+        return done
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End seq (when done, on a stop string, on abort) and return its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status == Status.RUNNING:
+            self.running.remove(seq)
+            self.blocks.free(seq.block_table)
+        else:
+            self.waiting.remove(seq)
+        seq.block_table = []
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

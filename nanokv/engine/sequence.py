@@ -1,0 +1,76 @@
+"""One request's state as the scheduler and runner see it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from nanokv.eviction import KVMethod
+from nanokv.sampling_params import SamplingParams
+
+
+@dataclass
+class PromptLogprob:
+    """What the model predicted at one prompt position, under the request's eviction."""
+    logprob: float       # log-probability of the prompt's actual token
+    top_token: int       # the most likely token
+    top_logprob: float
+
+
+@dataclass
+class HeadPages:
+    """The pages of a sequence whose heads hold different numbers of pairs (an uneven method,
+    after its first eviction); before it, and for every other method, each head's pages are
+    those of the sequence's blocks (KVCache.pages)."""
+    tables: torch.Tensor   # [L, Hkv, W] int32: each head's pages, with room for what it reads until the next eviction
+    lens: torch.Tensor     # [L, Hkv] int32: pairs each head held right after the last eviction
+    slots: int             # num_kv_slots then: every head has taken num_kv_slots - slots pairs since
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    method: KVMethod = field(default_factory=KVMethod)
+    max_slots: int = 0                 # the most tokens it will ever feed (prompt + max_tokens - 1)
+    num_computed_tokens: int = 0       # tokens run through the model (their positions are taken)
+    num_kv_slots: int = 0              # KV pairs it holds per head; below num_computed_tokens once it evicts
+    finish_reason: str | None = None   # "length", "stop", "abort" or "error"
+    generator: torch.Generator | None = None  # the request's own, when it has a seed
+    prompt_logprobs: list[PromptLogprob | None] | None = None   # when asked for
+    kept_positions: torch.Tensor | None = None                  # when asked for, at the end
+    num_cached_tokens: int = 0         # prompt tokens taken from the prefix cache at its last admission
+    prefix_serials: list[int] = field(default_factory=list)    # prefix-cache entries of its full blocks
+    head_pages: HeadPages | None = None                          # an uneven method's own page tables
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens to run through the model: the rest of the prompt, or the one just sampled."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED

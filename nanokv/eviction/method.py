@@ -1,0 +1,91 @@
+"""KVMethod: one request's eviction method, a schedule (when, how many) times a ranking
+(which pairs), with the sinks and recent pairs every ranking protects."""
+from __future__ import annotations
+
+import torch
+
+from nanokv.eviction.rankings import HeldPairs, Ranking
+from nanokv.eviction.schedules import Progress, Schedule
+
+NO_QUERY = 2**31 - 1   # score_from of a chunk none of whose queries counts
+
+
+class KVMethod:
+    """One request's method. With no arguments, the full cache: it never evicts."""
+
+    def __init__(self, schedule: Schedule | None = None, ranking: Ranking | None = None,
+                 sinks: int = 0, recent: int = 0, name: str = "full"):
+        self.schedule, self.ranking = schedule or Schedule(), ranking
+        self.sinks, self.recent, self.name = sinks, recent, name
+        self.needs_scores = ranking is not None and ranking.needs_scores
+        self.squares_scores = ranking is not None and ranking.squares_scores
+        self.score_skip = 0 if ranking is None else ranking.skip
+        self.uneven = ranking is not None and ranking.uneven
+        # It never evicts, so it never writes into its blocks after filling them: it may share
+        # them with other sequences through the prefix cache (others take a private copy).
+        self.shares_blocks = ranking is None
+        self.evicts_eagerly = self.schedule.evicts_eagerly
+
+    def evict_count(self, seq: Progress) -> int:
+        return self.schedule.evict_count(seq)
+
+    def max_chunk(self, seq: Progress, slots: int) -> int:
+        return self.schedule.max_chunk(seq, slots)
+
+    def reserve_slots(self, seq: Progress) -> int:
+        return self.schedule.reserve_slots(seq)
+
+    def steady_slots(self, seq: Progress) -> int:
+        return self.schedule.steady_slots(seq)
+
+    @property
+    def rule(self) -> tuple:
+        """What decides which pairs go: sequences with the same rule are ranked together."""
+        return (self.name, self.sinks, self.recent, getattr(self.ranking, "window", None),
+                getattr(self.ranking, "pool", None))
+
+    @property
+    def windowed(self) -> bool:
+        """Its scores count a window of queries and restart after each eviction."""
+        return self.ranking is not None and self.ranking.window is not None
+
+    def score_from(self, seq: Progress) -> int:
+        """The first query of seq's next chunk (an index into it) whose attention counts:
+        a windowed ranking counts the last `window` queries before the next eviction; a
+        sequence whose method reads no scores adds none (a block it shares stays unwritten)."""
+        if not self.needs_scores:
+            return NO_QUERY
+        if not self.windowed:
+            return 0
+        end = self.schedule.next_eviction(seq)
+        if end is None:
+            return NO_QUERY
+        return max(end - self.ranking.window - seq.num_computed_tokens, 0)
+
+    def reusable_tokens(self, seq: Progress) -> int:
+        """How many of a fresh seq's first tokens could come from the prefix cache with its
+        results unchanged: all under the full cache; under eviction, only tokens read before
+        the first eviction, and none whose query's attention would count (a query skipped
+        adds no score): none for batchmax, h2o and KVC-full, whose scores count every query,
+        and for tova, snapkv and KVC-w only those before their window."""
+        if self.shares_blocks:
+            return seq.num_tokens
+        if self.needs_scores and not self.windowed:
+            return 0
+        end = self.schedule.next_eviction(seq)
+        return seq.num_tokens if end is None else max(end - (self.ranking.window or 0), 0)
+
+    def floor_pages(self, block_size: int) -> int:
+        """The fewest pages a head of an uneven method keeps: its protected pairs', at least one."""
+        return max(-(-(self.sinks + self.recent) // block_size), 1)
+
+    def keep_priority(self, held: HeldPairs) -> torch.Tensor:
+        """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf."""
+        if self.ranking is None:
+            raise NotImplementedError(f"{self.name} never evicts")
+        priority = self.ranking.keep_priority(held)   # not cast: float64 key norms keep their precision
+        n = held.positions.shape[-1]
+        lens = n if held.lens is None else held.lens[..., None]
+        slot = torch.arange(n, device=priority.device)
+        protected = (held.positions < self.sinks) | ((slot >= lens - self.recent) & (slot < lens))
+        return priority.masked_fill(protected, float("inf"))

@@ -1,0 +1,46 @@
+"""What a request asks for: SamplingParams."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanokv.checks import SEED_RANGE, check_bool, check_float, check_int, check_token_ids
+from nanokv.eviction import EvictionSettings
+
+
+@dataclass
+class SamplingParams(EvictionSettings):
+    """How one request samples, and its KV-cache method (the eviction settings, keyword
+    arguments: nanokv/eviction/settings.py), whose unset settings take the engine's."""
+    max_tokens: int = 256
+    temperature: float = 1.0        # 0 = greedy
+    top_p: float = 1.0              # nucleus: keep the smallest set of tokens with this much mass
+    top_k: int = 0                  # keep the k most likely tokens; 0 = all
+    seed: int | None = None         # a request's own random stream, independent of its batch
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings, not included in the text
+    return_kept_positions: bool = False  # output: positions each (layer, KV head) kept at the end
+    prompt_logprobs: bool = False       # output: log-probability of every prompt token
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """Raise a TypeError or ValueError naming the first bad field. Run at construction
+        and again when a request is queued (the fields may have been changed since)."""
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        check_int("max_tokens", self.max_tokens, 1)
+        check_float("temperature", self.temperature, 0)
+        check_float("top_p", self.top_p, 0, 1, low_open=True)
+        check_int("top_k", self.top_k, 0)
+        check_int("seed", self.seed, *SEED_RANGE, optional=True)
+        check_bool("ignore_eos", self.ignore_eos)
+        check_token_ids("stop_token_ids", self.stop_token_ids)
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not all(self.stop):
+            raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
+        self.check_eviction_settings()
+        check_bool("return_kept_positions", self.return_kept_positions)
+        check_bool("prompt_logprobs", self.prompt_logprobs)

@@ -1,0 +1,3 @@
+from nanokv.serve.server import main
+
+main()

@@ -1,0 +1,142 @@
+"""The server's engine thread: one thread owns the LLM and steps it.
+
+LLM is not thread-safe, so the asyncio side never calls it. Adds and aborts go
+to the engine thread through a queue; each request's results come back to its
+own asyncio.Queue through loop.call_soon_threadsafe. Every request in flight
+takes part in every step, which is what makes concurrent clients share decode
+steps (continuous batching).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from nanokv.llm import LLM
+from nanokv.sampling_params import SamplingParams
+
+log = logging.getLogger("nanokv.serve")
+
+
+class EngineError(RuntimeError):
+    """The engine could not finish a request: a failed step, or the server stopping."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    results: asyncio.Queue
+    request_id: int | None = None   # the LLM's id, once added
+
+
+class EngineThread:
+    """Runs `llm` on a background thread; `submit` and `abort` are called from the event loop."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._keys = itertools.count()
+        self._streams: dict[int, _Stream] = {}      # key -> stream; the engine thread's alone
+        self._keys_by_request: dict[int, int] = {}  # LLM request id -> key
+        self._thread = threading.Thread(target=self._run, name="nanokv-engine", daemon=True)
+        self.largest_batch = 0   # most requests given a token by one step: > 1 means shared steps
+        self.num_steps = 0
+        self.stats = self._snapshot()   # replaced (never changed) by the engine thread: safe to read
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the thread after its current step; requests still in flight end with an EngineError."""
+        if self._thread.is_alive():
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
+        """Queue a request. Returns its key (for abort) and the queue its results arrive on:
+        first the LLM's request id, or the exception add_request raised; then RequestOutputs
+        up to the finished one, or an EngineError."""
+        key = next(self._keys)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._commands.put(("add", key, prompt_ids, params, stream))
+        return key, stream.results
+
+    def abort(self, key: int) -> None:
+        """End a request and free its blocks (a no-op once it has finished)."""
+        self._commands.put(("abort", key))
+
+    # ----- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            idle = not self.llm.has_unfinished()
+            try:
+                while True:   # every command queued so far; wait for one only when idle
+                    command = self._commands.get(block=idle)
+                    idle = False
+                    if command[0] == "stop":
+                        self._fail_all("the server is shutting down")
+                        self.stats = self._snapshot()
+                        return
+                    self._apply(*command)
+            except queue.Empty:
+                pass
+            if self.llm.has_unfinished():
+                self._step()
+            self.stats = self._snapshot()
+
+    def _apply(self, kind: str, key: int, *args) -> None:
+        if kind == "add":
+            prompt_ids, params, stream = args
+            try:
+                stream.request_id = self.llm.add_request(prompt_ids, params)
+            except Exception as error:   # a bad request changes nothing in the engine
+                self._post(stream, error)
+                return
+            self._streams[key] = stream
+            self._keys_by_request[stream.request_id] = key
+            self._post(stream, stream.request_id)
+        elif kind == "abort" and key in self._streams:
+            self.llm.abort(self._forget(key).request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.llm.step()
+        except Exception as error:   # the engine's state is unknown: end what is in it, keep serving
+            log.exception("engine step failed")
+            self._fail_all(f"the engine failed a step: {type(error).__name__}: {error}")
+            return
+        self.num_steps += 1
+        self.largest_batch = max(self.largest_batch, len(outputs))
+        for out in outputs:
+            key = self._keys_by_request[out.request_id]
+            self._post(self._forget(key) if out.finished else self._streams[key], out)
+
+    def _fail_all(self, message: str) -> None:
+        for key in list(self._streams):
+            stream = self._forget(key)
+            try:
+                self.llm.abort(stream.request_id)
+            except Exception:
+                log.exception("abort after a failure failed")
+            self._post(stream, EngineError(message))
+
+    def _forget(self, key: int) -> _Stream:
+        stream = self._streams.pop(key)
+        del self._keys_by_request[stream.request_id]
+        return stream
+
+    @staticmethod
+    def _post(stream: _Stream, item) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.results.put_nowait, item)
+        except RuntimeError:   # its event loop has closed: nobody is waiting
+            pass
+
+    def _snapshot(self) -> dict:
+        stats = self.llm.stats()
+        return dict(running=stats.running, waiting=stats.waiting, free_blocks=stats.free_blocks,
+                    total_blocks=stats.total_blocks, steps=self.num_steps, largest_batch=self.largest_batch)

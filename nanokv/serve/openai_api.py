@@ -1,0 +1,208 @@
+"""The OpenAI API's shapes: request bodies in (checked), responses, stream chunks and errors out.
+
+Nothing here touches the engine: a request becomes prompt token ids and a
+SamplingParams, and RequestOutputs become JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from dataclasses import dataclass
+
+import jinja2
+
+from nanokv.llm import RequestOutput
+from nanokv.sampling_params import SamplingParams
+from nanokv.tokenizer import Tokenizer
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+
+# Fields of the OpenAI API nanokv does not implement, accepted only at a value that asks
+# for nothing (None always is one); anything else is a 400 that names the field.
+NEUTRAL_VALUES = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,),
+    "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
+}
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")   # OpenAI's, same name in SamplingParams
+COMMON_FIELDS = {"model", "stream", "stream_options", "user", *SAMPLING_FIELDS, *NEUTRAL_VALUES}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "parallel_tool_calls"}
+# SamplingParams fields whose output the API has no place for.
+NOT_SERVED = {"return_kept_positions", "prompt_logprobs"}
+# Every other SamplingParams field is a nanokv extension, passed through by name (top_k,
+# ignore_eos, stop_token_ids, kv_method, kv_budget, evict_every, and whatever is added).
+EXTENSIONS = {f.name for f in dataclasses.fields(SamplingParams)} - set(SAMPLING_FIELDS) - NOT_SERVED
+
+
+class APIError(Exception):
+    """An error the client gets in OpenAI's format, with its HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def from_engine(error: Exception, fields: list[str]) -> APIError:
+    """What the engine raised for a request: TypeError and ValueError are the client's (400,
+    param: the first field the message names), anything else the server's (500)."""
+    if not isinstance(error, (TypeError, ValueError)):
+        return APIError(500, f"{type(error).__name__}: {error}", type="server_error")
+    words = str(error).replace(":", " ").split()
+    return bad_request(str(error), next((w for w in words if w in fields), None))
+
+
+@dataclass
+class ParsedRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool   # stream_options.include_usage: a last chunk with the usage
+
+
+def parse(body, chat: bool, tokenizer: Tokenizer | None, max_model_len: int) -> ParsedRequest:
+    """Check a /v1/completions or /v1/chat/completions body; APIError(400) names what is wrong."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    if chat:
+        prompt_ids = _chat_prompt(body.get("messages"), tokenizer)
+    else:
+        prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
+    if len(prompt_ids) >= max_model_len:
+        raise bad_request(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+                          f"{max_model_len} tokens (prompt + output)", "messages" if chat else "prompt")
+    params = _sampling_params(body, chat, max_model_len - len(prompt_ids))
+    stream, options = body.get("stream") or False, body.get("stream_options") or {}
+    if not isinstance(stream, bool):
+        raise bad_request(f"stream must be true or false, got {stream!r}", "stream")
+    if not isinstance(options, dict):
+        raise bad_request(f"stream_options must be an object, got {options!r}", "stream_options")
+    return ParsedRequest(prompt_ids, params, stream, bool(options.get("include_usage")))
+
+
+def _check_fields(body: dict, allowed: set[str]) -> None:
+    for name, value in body.items():
+        if name in EXTENSIONS:
+            continue
+        if name not in allowed:
+            raise bad_request(f"Unrecognized request argument supplied: {name} (nanokv's extensions are "
+                              f"{', '.join(sorted(EXTENSIONS))})", name)
+        if name in NEUTRAL_VALUES and value is not None and value not in NEUTRAL_VALUES[name]:
+            raise bad_request(f"{name}={value!r} is not supported by nanokv "
+                              f"(supported: {' or '.join(map(repr, NEUTRAL_VALUES[name]))})", name)
+
+
+def _completion_prompt(prompt, tokenizer: Tokenizer | None) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]   # a batch of one
+    if isinstance(prompt, str) and prompt:
+        if tokenizer is None:
+            raise bad_request("this model has no tokenizer: give the prompt as token ids", "prompt")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt   # the engine checks them against the vocabulary
+    raise bad_request("prompt must be a non-empty string or list of token ids (one prompt per request)",
+                      "prompt")
+
+
+def _chat_prompt(messages, tokenizer: Tokenizer | None) -> list[int]:
+    """The templated conversation as token ids, built as chat.py builds it."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    plain = [_plain_message(m, i) for i, m in enumerate(messages)]
+    if tokenizer is None:
+        raise bad_request("this model has no tokenizer, so no chat template: use /v1/completions", "messages")
+    try:
+        text = tokenizer.apply_chat_template(plain)
+    except (ValueError, jinja2.TemplateError) as error:   # no template, or the template refused them
+        raise bad_request(f"the chat template failed on these messages: {error}", "messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _plain_message(message, index: int) -> dict:
+    """A message with its content as one string (text parts joined)."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise bad_request(f"{where} must be an object with a string role", "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise bad_request(f"{where}: only text content parts are supported", "messages")
+        content = "".join(p["text"] for p in content)
+    if content is None and message["role"] == "assistant":
+        content = ""
+    if not isinstance(content, str):
+        raise bad_request(f"{where}.content must be a string or a list of text parts", "messages")
+    return {"role": message["role"], "content": content}
+
+
+def _sampling_params(body: dict, chat: bool, room: int) -> SamplingParams:
+    """SamplingParams from the body; its own checks name a bad field (-> 400)."""
+    fields = {name: body[name] for name in (*SAMPLING_FIELDS, *EXTENSIONS) if body.get(name) is not None}
+    if chat and body.get("max_completion_tokens") is not None:   # the newer name of max_tokens
+        fields["max_tokens"] = body["max_completion_tokens"]
+    requested = fields.get("max_tokens")
+    if type(requested) is int and requested > room:
+        raise bad_request(f"max_tokens={requested} does not fit: the prompt leaves room for {room} tokens "
+                          "in this model's context", "max_tokens")
+    fields.setdefault("max_tokens", room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room))
+    try:
+        return SamplingParams(**fields)
+    except (TypeError, ValueError) as error:
+        raise from_engine(error, list(fields)) from None
+
+
+# ----- responses --------------------------------------------------------------------------
+
+def usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+class Responder:
+    """The JSON of one request's response: whole, or as stream chunks."""
+
+    def __init__(self, chat: bool, model: str):
+        self.chat, self.model = chat, model
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, kind: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def whole(self, out: RequestOutput) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+        else:
+            choice["text"] = out.text
+        return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
+                              usage=usage(out))
+
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
+              include_usage: bool = False) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": text} if first else \
+                ({"content": text} if text else {})
+        else:
+            choice["text"] = text
+        extra = {"usage": None} if include_usage else {}
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
+
+    def usage_chunk(self, out: RequestOutput) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
+                              usage=usage(out))

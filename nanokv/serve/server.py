@@ -1,0 +1,190 @@
+"""An OpenAI-compatible HTTP server: python -m nanokv.serve [--model DIR_OR_HUB_ID] [engine options].
+
+Endpoints: POST /v1/completions and /v1/chat/completions (stream: true gives
+server-sent events), GET /v1/models, GET /health (no key needed; engine stats).
+Starlette on uvicorn; one engine thread steps the LLM for every request
+(engine_thread.py); the request and response shapes are in openai_api.py.
+uvicorn handles SIGINT/SIGTERM: it stops taking connections, lets the open
+ones finish, then the engine thread stops.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import torch
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from nanokv.config import add_engine_flags, engine_options
+from nanokv.serve.engine_thread import EngineError, EngineThread
+from nanokv.llm import LLM, RequestOutput
+from nanokv.serve.openai_api import APIError, ParsedRequest, Responder, from_engine, parse
+
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+DISCONNECT_POLL_S = 0.5   # how often a non-streaming request checks that its client is still there
+log = logging.getLogger("nanokv.serve")
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected."""
+
+
+def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> Starlette:
+    """The server's ASGI app. It owns `llm` from now on: only its engine thread touches it."""
+    engine = EngineThread(llm)
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "Incorrect API key provided", code="invalid_api_key")
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", **engine.stats})
+
+    async def models(request: Request) -> Response:
+        check_key(request)
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": 0, "owned_by": "nanokv",
+             "max_model_len": llm.config.max_model_len}]})
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        check_key(request)
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise APIError(400, f"the request body is not valid JSON: {error}") from None
+        if isinstance(body, dict) and body.get("model") not in (None, model_name):
+            raise APIError(404, f"The model {body['model']!r} does not exist; this server serves "
+                           f"{model_name!r}", "model", code="model_not_found")
+        parsed = parse(body, chat, llm.tokenizer, llm.config.max_model_len)
+        key, results = engine.submit(parsed.prompt_ids, parsed.params)
+        try:
+            accepted = await results.get()
+        except asyncio.CancelledError:
+            engine.abort(key)
+            raise
+        if isinstance(accepted, Exception):
+            raise from_engine(accepted, list(body))
+        responder = Responder(chat, model_name)
+        if parsed.stream:
+            return StreamingResponse(stream_events(key, results, parsed, responder),
+                                     media_type="text/event-stream")
+        try:
+            out = await last_output(request, results)
+        except (ClientGone, asyncio.CancelledError):
+            engine.abort(key)
+            raise
+        return JSONResponse(responder.whole(out))
+
+    async def last_output(request: Request, results: asyncio.Queue) -> RequestOutput:
+        """The finished output; every DISCONNECT_POLL_S, a check that the client is still there."""
+        async def finished() -> RequestOutput:
+            while True:
+                out = await results.get()
+                failed(out)
+                if out.finished:
+                    return out
+        while True:
+            try:
+                return await asyncio.wait_for(finished(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    raise ClientGone from None
+
+    async def stream_events(key: int, results: asyncio.Queue, parsed: ParsedRequest,
+                            responder: Responder) -> AsyncIterator[str]:
+        """The SSE stream; Starlette cancels it when the client disconnects: then abort."""
+        def event(data: dict) -> str:
+            return f"data: {json.dumps(data)}\n\n"
+        finished = False
+        try:
+            if responder.chat:   # the role comes first, as OpenAI sends it
+                yield event(responder.chunk("", first=True, include_usage=parsed.include_usage))
+            while not finished:
+                out = await results.get()
+                try:
+                    failed(out)
+                except APIError as error:
+                    finished = True
+                    yield event(error.body())
+                    break
+                finished = out.finished
+                if out.new_text or finished:
+                    yield event(responder.chunk(out.new_text, out.finish_reason if finished else None,
+                                                include_usage=parsed.include_usage))
+                if finished and parsed.include_usage:
+                    yield event(responder.usage_chunk(out))
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                engine.abort(key)
+
+    def failed(out) -> None:
+        """Raise the APIError of an engine failure or a request that ended with "error"."""
+        if isinstance(out, EngineError):
+            raise APIError(503, str(out), type="server_error")
+        if out.finish_reason == "error":
+            raise APIError(500, f"the request failed in the engine: {out.error}", type="server_error")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        engine.start()
+        yield
+        engine.stop()
+        log.info("engine stopped")
+
+    async def api_error(request: Request, error: APIError) -> Response:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    async def http_error(request: Request, error: HTTPException) -> Response:   # 404, 405
+        return JSONResponse(APIError(error.status_code, error.detail).body(), status_code=error.status_code)
+
+    app = Starlette(routes=[
+        Route("/health", health), Route("/v1/models", models),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ], exception_handlers={APIError: api_error, HTTPException: http_error}, lifespan=lifespan)
+    app.state.engine = engine
+    return app
+
+
+# ----- command line -----------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF model directory or hub id (default: bundled SmolLM2-135M)")
+    parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health)")
+    parser.add_argument("--log-level", default="info")
+    add_engine_flags(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    try:
+        llm = LLM(args.model, **engine_options(args))
+    except (ValueError, OSError, TypeError, torch.OutOfMemoryError) as error:
+        raise SystemExit(f"nanokv.serve: {error}") from None
+    name = args.served_model_name or args.model or BUNDLED_MODEL_NAME
+    app = build_app(llm, name, args.api_key)
+    log.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
