@@ -14,7 +14,7 @@ in shared memory in the TTGIR: loads of the next tile overlap the math on
 this one), and whether the loads whose row offsets can pass 2**31 elements
 (a step of ~350k tokens, a pool of 2**31 slots) compute them in 64 bits (the
 TTIR, whose values carry the source's names). `problems()` says what is wrong;
-tests/test_compile_check.py asserts there is nothing.
+tests/kernels/test_compile_check.py asserts there is nothing.
 
 Needs the real (not interpreted) Triton: run it without TRITON_INTERPRET.
 """

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_TESTS = ["tests/test_attention_triton.py", "tests/test_key_scores.py", "tests/test_kernels_elementwise.py",
-                "tests/test_triton_engine.py"]
+KERNEL_TESTS = ["tests/kernels/test_attention_triton.py", "tests/kernels/test_key_scores.py",
+                "tests/kernels/test_kernels_elementwise.py",
+                "tests/engine/test_triton_engine.py"]
 OUTPUT_TAIL = 6000   # characters of a part's output kept in the report
 
 

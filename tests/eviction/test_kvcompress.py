@@ -1,4 +1,4 @@
-"""KV-Compress (issue 10) against a dense float64 oracle written from the paper.
+"""KV-Compress against a dense float64 oracle written from the paper.
 
 The oracle keeps one plain list of pairs per (layer, KV head), of any length, and
 implements Section 4.2.2's block eviction literally: per head, the pairs sorted by
@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from nanokv.eviction.pages import plan_page_eviction, repage
-from test_batchmax_oracle import BLOCK, differences, engine, gqa, model  # noqa: F401 (fixtures)
-from test_policies_oracle import prompt
+from oracle import BLOCK, differences, distinct_prompt as prompt, engine
 
 
 # ----- the block-eviction schedule on its own ---------------------------------------------

@@ -264,7 +264,7 @@ def test_the_command_line_serves_and_stops_on_sigterm(model_dir):
     server = subprocess.Popen([sys.executable, "-m", "nanokv.serve", "--model", str(model_dir), "--port",
                                str(port), "--num-kv-blocks", "32", "--max-model-len", "128"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              cwd=Path(__file__).resolve().parent.parent)
+                              cwd=Path(__file__).resolve().parents[2])
     try:
         deadline = time.monotonic() + 120
         while server.poll() is None and time.monotonic() < deadline:

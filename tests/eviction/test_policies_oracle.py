@@ -1,7 +1,7 @@
-"""Every ranking under every schedule against a dense float64 oracle (issue 9).
+"""Every ranking under every schedule against a dense float64 oracle.
 
-The oracle reuses the dense decoder of tests/test_batchmax_oracle.py (its KV lists
-and its accumulated attention) and implements the rankings and schedules straight
+The oracle reuses the dense decoder of oracle.py (its KV lists and its accumulated
+attention) and implements the rankings and schedules straight
 from their definitions, with none of the engine's machinery. The engine must keep
 exactly the same positions in every (layer, KV head) and produce exactly the same
 greedy tokens, for MHA and GQA models whose heads disagree.
@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
-from test_batchmax_oracle import BLOCK, LayerKV, differences, engine, gqa, model  # noqa: F401 (fixtures)
-
-def prompt(length: int, seed: int) -> list[int]:
-    """Random distinct byte tokens. K-norm ranks keys by their norm, and equal tokens have
-    equal layer-0 keys before RoPE, which keeps norms: a tie in exact arithmetic that only
-    rounding breaks. So its prompts repeat no token, and its cases end before it would rank
-    generated tokens (which may repeat the prompt's)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randperm(256, generator=g)[:length].tolist()
+from oracle import BLOCK, LayerKV, differences, distinct_prompt as prompt, engine
 
 
-# Each ranking's defaults (issue 9): schedule, sinks, recent (a function of the budget).
+# Each ranking's defaults: schedule, sinks, recent (a function of the budget).
 DEFAULTS = {"batchmax": ("prefill", 0, lambda b: 0), "h2o": ("decode", 0, lambda b: b // 2),
             "tova": ("decode", 0, lambda b: 0), "snapkv": ("once", 0, lambda b: 0),
             "streamingllm": ("prefill", 4, lambda b: 0), "knorm": ("once", 0, lambda b: 0)}
