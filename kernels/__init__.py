@@ -20,13 +20,13 @@ from typing import Callable, NamedTuple
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.attention.reference import paged_attention_ref
 from kernels.attention.cpu import StepPlan, make_plan, paged_attention_cpu
-from kernels.attention.prefill import paged_attention_triton
-from kernels.compact import compact_kv
 from kernels.attention.decode import (MIN_SPLIT, DecodeWorkspace, decode_workspace, logits_scratch as _logits_scratch,
                                       paged_decode_attention_triton)
 from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
+from kernels.attention.prefill import paged_attention_triton
+from kernels.attention.reference import paged_attention_ref
+from kernels.compact import compact_kv
 from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.linear_cpu import PackedLinear, can_prepack, prepack_linears

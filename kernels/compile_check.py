@@ -179,9 +179,9 @@ def _attention_case(kind: str, shape: str, dtype: str, block_size: int, query_le
     None for one in the model's dtype; square: pass square_scores (the key scores' SQUARE variant);
     skip: pass score_skip and the positions (KVC-full's SKIP variant)."""
     from kernels import decode_num_splits
-    from kernels.attention.prefill import paged_attention_triton
     from kernels.attention.decode import paged_decode_attention_triton
     from kernels.attention.key_scores import accumulate_key_scores_triton
+    from kernels.attention.prefill import paged_attention_triton
 
     def run():
         hq, hkv, d = SHAPES[shape][:3]

@@ -1,6 +1,6 @@
 """Writing new K/V rows into the paged cache.
 
-Cache layout (the one source of truth; nanokv/kv_cache.py allocates it). One pool
+Cache layout (the one source of truth; models/kv_cache.py allocates it). One pool
 of P pages shared by every layer; a page holds block_size slots of ONE (layer,
 KV head) of one sequence (KV-Compress, Sec. 4.2.1), so each head of each layer
 has its own block table and its own context length, and a head's pages are

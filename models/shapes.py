@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from models.decoder import Decoder
 from models.config import ModelConfig
+from models.decoder import Decoder
 
 SHAPES = {
     "llama-3.1-8b": dict(

@@ -15,6 +15,28 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """tiny_models(family): the directory of a random 2-layer model of that family
+    (helpers.make_tiny_model), written once per session and never changed by a test."""
+    from helpers import make_tiny_model
+
+    made = {}
+
+    def directory(family: str) -> Path:
+        if family not in made:
+            made[family] = tmp_path_factory.mktemp(f"tiny-{family}")
+            make_tiny_model(made[family], family)
+        return made[family]
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_models) -> Path:
+    """The tiny llama most engine tests run (a module may take another family instead)."""
+    return tiny_models("llama")
+
+
+@pytest.fixture(scope="session")
 def bundled_dir(tmp_path_factory):
     """The bundled SmolLM2 model, converted once per session into a fresh cache.
 

@@ -6,17 +6,15 @@ import pytest
 import torch
 
 import kernels
-from helpers import VOCAB, make_tiny_model
+from helpers import VOCAB
 from nanokv import LLM, SamplingParams
 from nanokv.config import EngineConfig
 from nanokv.tokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(path, "qwen2")
-    return path
+def tiny_dir(tiny_models):
+    return tiny_models("qwen2")
 
 
 @pytest.fixture(scope="module")

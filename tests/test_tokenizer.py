@@ -4,8 +4,7 @@ import random
 
 import jinja2
 import pytest
-from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models
+from tokenizers import Tokenizer as Backend, decoders, models
 
 from nanokv.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.tiles import (LOG2E, LN2, MIN_BLOCK_M, check_cache, dot_config, load_kv_scales,
-                                      load_kv_tile, online_softmax_step, slot_pages, kv_tile)
+from kernels.attention.tiles import (LN2, LOG2E, MIN_BLOCK_M, check_cache, dot_config, kv_tile, load_kv_scales,
+                                     load_kv_tile, online_softmax_step, slot_pages)
 from kernels.kv_store import kernel_view
 
 MIN_SPLIT = 256   # slots: a shorter split costs more in merging than it gains in parallelism

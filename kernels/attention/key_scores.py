@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.tiles import check_cache, dot_config, load_kv_scales, slot_pages, kv_tile
+from kernels.attention.tiles import check_cache, dot_config, kv_tile, load_kv_scales, slot_pages
 from kernels.kv_store import dequantize, from_cache, kernel_view
 
 

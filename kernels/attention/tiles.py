@@ -1,46 +1,22 @@
 """The building blocks of the Triton attention kernels: prefill (prefill.py),
 flash-decoding (decode.py) and the key scores (key_scores.py).
 
-All read K and V straight from the paged cache (layout in kernels/kv_store.py)
-through the page tables, and follow the semantics of the torch oracle,
-kernels/attention/reference.py: sequence b owns query rows
-cu_seqlens_q[b]:cu_seqlens_q[b+1] and query j of it sees slots
-0 .. context_lens[b, h] - q_len + j of KV head h.
-
-Ideas shared by the kernels:
-
-* Online softmax. Keys are visited one tile of BLOCK_N slots at a time; each
-  query row keeps a running max m, a running denominator l and an unnormalised
-  output acc, rescaled whenever the max grows. Nothing of size context_len is
-  ever materialised, and K and V are read exactly once.
-* Base-2 exponentials. Scores are kept in log2 units (the softmax scale is
-  multiplied by log2(e) once), so every exponential is a bare exp2, the
-  instruction the hardware has. Log-sum-exps are converted back to natural
-  logs only when they are written out.
-* Per-slot page lookup. A key tile is BLOCK_N consecutive slots of one
-  (sequence, KV head); each slot finds its page through that head's row of the
-  page tables. The tile size is therefore independent of the block size (any
-  multiple of 16), and a tile may straddle pages.
-* GQA packing. The G = Hq / Hkv query heads that share a KV head are computed
-  by one program, as rows of the same tile, so each K/V tile loaded serves all
-  of them. In the prefill kernel row r of a tile is query token r // G, query
-  head r % G (vLLM's unified attention does the same); rows that fall past the
-  tile or the sequence are padding and are masked out, so G need not be a power
-  of 2 (the bundled model has G = 3).
-* Pages. A page holds the slots of one KV head, so every program, which serves
-  one KV head, reads its own row of the page tables [B, Hkv, nb] and its own
-  context length context_lens[b, h]; heads of a sequence may hold different
-  numbers of slots (per-head eviction), and no head offset enters an address.
-* Precision. Accumulation is always fp32. On a GPU, 16-bit operands go to the
-  tensor cores as they are; fp32 operands use "ieee" precision (TF32 would
-  be off by ~3e-4). Triton's interpreter multiplies bf16 operands wrongly, so
-  there (only there) bf16 tiles are upcast to fp32 before tl.dot.
-* Quantized caches (int8, fp8; kernels/kv_store.py). K and V tiles are loaded
-  in 8 bits and converted in registers to q's dtype (exact: int8 and e4m3
-  values are bf16/fp16 values); the scales fold into the softmax instead of
-  the tiles: a key's scale multiplies its column of scores, a value's scale its
-  column of probabilities before they meet V. With an unquantized cache the
-  scales are constant ones, which the compiler folds away.
+All follow the torch oracle (reference.py) and read K and V straight from the
+paged cache (layout: kernels/kv_store.py). What they share:
+* Online softmax in base 2: keys are visited a tile of BLOCK_N slots at a time,
+  each query row keeps a running max, denominator and output (online_softmax_step),
+  scores are in log2 units so every exponential is a bare exp2; nothing of the
+  context's size is materialised and K and V are read once.
+* Per-slot page lookup (slot_pages): a tile is BLOCK_N consecutive slots of one
+  (sequence, KV head), each slot finds its page in that head's row of the page
+  tables, so tiles are independent of the block size and heads of a sequence may
+  hold different numbers of slots.
+* GQA packing: the G query heads that share a KV head are rows of one program's
+  tile, so each K/V tile loaded serves all of them (G need not be a power of 2).
+* Precision: fp32 accumulation; 16-bit operands go to the tensor cores as they
+  are, fp32 ones in "ieee" precision (dot_config). A quantized cache is loaded in
+  8 bits and converted in registers; its scales multiply scores and probabilities
+  (load_kv_scales), constant ones when unquantized, which the compiler folds away.
 """
 from __future__ import annotations
 

@@ -212,7 +212,7 @@ class ModelRunner:
         return sampled
 
     def kept_positions(self, seq: Sequence) -> torch.Tensor:
-        """[L, H, n]: the original positions of the pairs seq holds at the end (nanokv/evict.py)."""
+        """[L, H, n]: the original positions of the pairs seq holds at the end (evict.py)."""
         with on_device(self.device):
             return self.evictor.kept_positions(seq)
 

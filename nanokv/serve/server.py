@@ -25,8 +25,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from nanokv.config import add_engine_flags, engine_options
-from nanokv.serve.engine_thread import EngineError, EngineThread
 from nanokv.llm import LLM, RequestOutput
+from nanokv.serve.engine_thread import EngineError, EngineThread
 from nanokv.serve.openai_api import APIError, ParsedRequest, Responder, from_engine, parse
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"

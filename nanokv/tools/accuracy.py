@@ -3,37 +3,12 @@
     python -m nanokv.tools.accuracy                      # bundled SmolLM2-135M, fp32, 4 documents x 4096 tokens
     python -m nanokv.tools.accuracy --docs 2 --doc-tokens 2048 --budgets 256 512 --out /tmp/acc.json
 
-Every document is a real long text found offline (Python standard-library
-source files, the Python language reference that ships with the interpreter,
-the README of an installed package), cut to exactly --doc-tokens tokens.
-Each document is measured twice, for the full cache and for every method and
-budget:
-
-- teacher-forced: the document is the prompt and the engine returns the
-  log-probability of every prompt token, computed under the method's
-  eviction. From it: perplexity, and next-token agreement (how often the
-  method's most likely next token equals the full cache's).
-- greedy continuation: the first --cont-prompt tokens are the prompt and 64
-  tokens are generated greedily; how many of them match the full cache's, and
-  how long the run of identical tokens at the start is.
-
-Only the prefill schedule evicts while it reads the prompt. Every other method
-(decode and once schedules, ed) prefills with the whole cache and evicts only
-afterwards, so its teacher-forced numbers are the full cache's by construction
-(taken from the full run, not computed again): it pays in the continuation.
-
-A method is written as bench.py takes it, RANKING[@SCHEDULE][,KEY=INT...]
-(nanokv.eviction.parse_spec): `h2o`, `h2o@prefill`, `snapkv@prefill,window=16,sinks=4`.
-
---kv-cache-dtype int8 fp8 repeats every run on an engine with that quantized
-KV cache (kernels/kv_store.py), each compared with the unquantized full cache.
-
-The table averages over documents; the JSON (--out, default docs/accuracy.json)
-holds every number per document, the settings and the environment.
-The target (issue 9), at a budget of 25% of the document: the best method that
-evicts while reading the prompt (the prefill schedule) keeps at least two thirds
-of the identical greedy start of the best method that evicts after it (the decode
-schedule), with a perplexity within 3% of the full cache's.
+Real long texts found offline, cut to --doc-tokens tokens, each measured teacher-forced
+(perplexity and next-token agreement with the full cache, from the prompt logprobs under
+eviction) and as a greedy continuation (tokens identical to the full cache's). Methods are
+written as bench.py takes them (nanokv.eviction.parse_spec); --kv-cache-dtype int8 fp8
+repeats every run on a quantized cache. The JSON (--out) holds every number per document,
+the settings and the environment; what each column means, and the results: docs/ACCURACY.md.
 """
 from __future__ import annotations
 

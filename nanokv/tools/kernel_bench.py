@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from kernels import decode_num_splits, decode_workspace_for
-from kernels.attention.prefill import paged_attention_triton
-from kernels.attention.decode import decode_workspace, paged_decode_attention_triton
-from kernels.kv_store import quantize
 from kernels.activation import silu_and_mul_triton
+from kernels.attention.decode import decode_workspace, paged_decode_attention_triton
+from kernels.attention.prefill import paged_attention_triton
+from kernels.kv_store import quantize
 from kernels.norm import rms_norm_triton
 from kernels.rope import apply_rope_triton, rope_cos_sin_cache
 from models import AttentionMetadata, KVCache

@@ -8,20 +8,13 @@ import pytest
 import torch
 
 import kernels
-from helpers import VOCAB, make_tiny_model
+from helpers import VOCAB
 from nanokv import LLM, SamplingParams
 from nanokv.engine import evict, memory, runner
 from nanokv.engine.cuda_graphs import DecodeGraphs
 from nanokv.llm import engine_device
 
 H100_PROGRAMS = 4 * 3 * 132   # DECODE_WAVES x programs per SM x SMs
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(path, "llama")
-    return path
 
 
 @pytest.fixture

@@ -5,19 +5,12 @@ from collections import Counter
 import pytest
 import torch
 
-from helpers import VOCAB, make_tiny_model
+from helpers import VOCAB
 from nanokv import LLM, SamplingParams
 from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.prefix_cache import PrefixCache
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-prefix")
-    make_tiny_model(path, "llama")
-    return path
 
 
 def engine(tiny_dir, caching: bool, **options) -> LLM:

@@ -3,16 +3,9 @@ import random
 
 import pytest
 
-from helpers import VOCAB, make_tiny_model
+from helpers import VOCAB
 from nanokv import LLM, SamplingParams
 from nanokv.engine.memory import profile_lengths
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_model(path, "llama")
-    return path
 
 
 def random_requests(n: int, seed: int):

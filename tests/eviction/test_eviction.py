@@ -3,15 +3,13 @@ import pytest
 import torch
 
 import kernels
-from helpers import VOCAB, make_tiny_model
+from helpers import VOCAB
 from nanokv import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(path, "qwen3")
-    return path
+def tiny_dir(tiny_models):
+    return tiny_models("qwen3")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import torch
 from nanokv.eviction.pages import plan_page_eviction, repage
 from oracle import BLOCK, differences, distinct_prompt as prompt, engine
 
-
 # ----- the block-eviction schedule on its own ---------------------------------------------
 
 def greedy_page_eviction(priority, lens, num_pages, bs, floor):

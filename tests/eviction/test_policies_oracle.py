@@ -14,7 +14,6 @@ import torch
 
 from oracle import BLOCK, LayerKV, differences, distinct_prompt as prompt, engine
 
-
 # Each ranking's defaults: schedule, sinks, recent (a function of the budget).
 DEFAULTS = {"batchmax": ("prefill", 0, lambda b: 0), "h2o": ("decode", 0, lambda b: b // 2),
             "tova": ("decode", 0, lambda b: 0), "snapkv": ("once", 0, lambda b: 0),

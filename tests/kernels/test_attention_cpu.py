@@ -3,11 +3,10 @@ scores it adds to the cache (kernels/attention/reference.py, kernels/attention/k
 import pytest
 import torch
 
-from kernels.attention.reference import paged_attention_ref
+from batches import make_cache, mixed_chunks, mixed_squares, scattered_tables, skip_inputs, varlen_batch
 from kernels.attention.cpu import paged_attention_cpu
 from kernels.attention.key_scores import accumulate_key_scores_ref
-from test_attention_triton import (make_cache, mixed_chunks, mixed_squares, scattered_tables, skip_inputs,
-                                   varlen_batch)
+from kernels.attention.reference import paged_attention_ref
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 

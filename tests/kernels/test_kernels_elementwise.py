@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from helpers import KERNEL_DEVICE
-
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from batches import skip_inputs
 from helpers import KERNEL_DEVICE
-
-from kernels.attention.reference import paged_attention_ref
 from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
-from test_attention_triton import skip_inputs
+from kernels.attention.reference import paged_attention_ref
 
 
 @dataclass

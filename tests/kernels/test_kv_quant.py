@@ -8,15 +8,14 @@ the reference on the original, unquantized cache within the format's error (LOOS
 import pytest
 import torch
 
+from batches import TOL, make_cache, mixed_chunks, mixed_squares, param_id, scattered_tables, varlen_batch
 from helpers import KERNEL_DEVICE
-
-from kernels.attention.reference import paged_attention_ref
 from kernels.attention.cpu import paged_attention_cpu
-from kernels.attention.prefill import paged_attention_triton
 from kernels.attention.decode import paged_decode_attention_triton
 from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
+from kernels.attention.prefill import paged_attention_triton
+from kernels.attention.reference import paged_attention_ref
 from kernels.kv_store import QUANT_MAX, dequantize, quantize, store_kv_ref, store_kv_triton
-from test_attention_triton import TOL, make_cache, mixed_chunks, mixed_squares, param_id, scattered_tables, varlen_batch
 
 FORMATS = list(QUANT_MAX)   # int8, and fp8 e4m3 where torch has it
 # The reference on a quantized cache against the unquantized one (unit-variance K, V and q,
@@ -173,8 +172,8 @@ def test_memory_accounting_counts_the_scales():
     """bytes_per_block is what a pool allocates per block, scales included; for the bundled model
     (block 16, the CPU backend: no decode scratch) an int8 pool holds 380,160 / 207,360 = 1.83x the
     tokens of bf16, 3.61x of fp32."""
-    from models.shapes import shape_config
     from models.kv_cache import KVCache
+    from models.shapes import shape_config
 
     model = shape_config("smollm2-135m")
     cpu = torch.device("cpu")

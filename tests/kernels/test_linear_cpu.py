@@ -4,13 +4,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from helpers import make_tiny_model
-
 import kernels
+from helpers import make_tiny_model
 from kernels.linear_cpu import PACKED_ROWS, PackedLinear, _onednn_runs, can_prepack, prepack_linears
-from nanokv import LLM
 from models.config import ModelConfig
 from models.loader import load_model
+from nanokv import LLM
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 

@@ -15,10 +15,9 @@ import openai
 import pytest
 import uvicorn
 
+from helpers import make_tiny_model
 from nanokv import LLM, SamplingParams
 from nanokv.serve.server import build_app
-
-from helpers import make_tiny_model
 
 ENGINE = dict(dtype="float32", num_kv_blocks=160, max_model_len=256)
 MODEL = "tiny"

@@ -1,4 +1,4 @@
-"""The accuracy harness (nanokv/accuracy.py): its arithmetic and documents without a
+"""The accuracy harness (nanokv/tools/accuracy.py): its arithmetic and documents without a
 model, then one tiny end-to-end run on the bundled model."""
 import json
 import math
@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import make_tiny_model
+from nanokv.eviction import parse_spec, schedule_name
 from nanokv.tools import accuracy
 from nanokv.tools.accuracy import Source
-from nanokv.eviction import parse_spec, schedule_name
 
 
 def logprobs(values, top_tokens=None):

@@ -7,7 +7,6 @@ import json
 import pytest
 
 import bench
-from helpers import make_tiny_model
 from nanokv.tools import throughput
 
 RECORD_FIELDS = {"device", "model", "dtype", "mode", "method", "budget", "batch", "input_len", "output_len",
@@ -81,13 +80,6 @@ def test_methods_take_a_schedule_and_settings():
         bench.parse_args(["--methods", "h2o@sometimes"])
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(path, "llama")
-    return path
-
-
 # Tiny llama: a block is 2 layers x 2 KV heads x 16 slots x (2 x 16 x 4 bytes + 8) = 8704 bytes
 # (on the CPU: no decode logits scratch), so 90 kB holds 10 blocks. A request of 48 + 4 tokens needs 3 blocks for its prompt and a 4th
 # while it decodes (51 slots).
@@ -95,9 +87,9 @@ TOY = ["--input-len", "48", "--output-len", "4", "--kv-cache-gb", "0.00009", "--
        "--evict-every", "16", "--dtype", "float32", "--threads", "1"]
 
 
-def test_paper_mode_end_to_end(tiny, tmp_path, capsys):
+def test_paper_mode_end_to_end(tiny_dir, tmp_path, capsys):
     out, png = tmp_path / "runs.jsonl", tmp_path / "plot.png"
-    records = bench.main(["--model", str(tiny), *TOY, "--max-batch", "8", "--num-requests", "6",
+    records = bench.main(["--model", str(tiny_dir), *TOY, "--max-batch", "8", "--num-requests", "6",
                           "--out", str(out), "--plot", str(png)])
     assert [json.loads(line) for line in out.read_text().splitlines()] == records
     static = {}
@@ -128,8 +120,8 @@ def test_paper_mode_end_to_end(tiny, tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_a_batch_that_cannot_fit_is_oom_not_a_crash(tiny):
-    args = bench.parse_args(["--model", str(tiny), *TOY])
+def test_a_batch_that_cannot_fit_is_oom_not_a_crash(tiny_dir):
+    args = bench.parse_args(["--model", str(tiny_dir), *TOY])
     llm = throughput.make_llm(args, 52, max_num_seqs=8, max_num_batched_tokens=8 * 48)
     method = throughput.Method("full", None)
     run = throughput.measure(llm, throughput.same_shape(8, 48, 4, method, 16, 300), static=True)
@@ -139,9 +131,9 @@ def test_a_batch_that_cannot_fit_is_oom_not_a_crash(tiny):
     assert run["fits"] and run["output_tokens"] == 8   # the engine is as good as new
 
 
-def test_sweep_writes_one_record_per_run(tiny, tmp_path):
+def test_sweep_writes_one_record_per_run(tiny_dir, tmp_path):
     out = tmp_path / "sweep.jsonl"
-    bench.main(["--mode", "sweep", "--model", str(tiny), *TOY, "--methods", "full", "batchmax",
+    bench.main(["--mode", "sweep", "--model", str(tiny_dir), *TOY, "--methods", "full", "batchmax",
                 "--batches", "1", "6", "--input-lens", "32", "48", "--out", str(out)])
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 2 * 2 * 2   # methods x input lengths x batches
@@ -150,8 +142,8 @@ def test_sweep_writes_one_record_per_run(tiny, tmp_path):
     assert fits[("full", 48, 1)] and fits[("batchmax", 48, 1)] and not fits[("full", 48, 6)]
 
 
-def test_decode_bytes_counts_weights_and_kv(tiny):
-    args = bench.parse_args(["--model", str(tiny), *TOY])
+def test_decode_bytes_counts_weights_and_kv(tiny_dir):
+    args = bench.parse_args(["--model", str(tiny_dir), *TOY])
     llm = throughput.make_llm(args, 52)
     model = llm.runner.model
     weights = sum(p.numel() * 4 for p in model.parameters()) - model.embed_tokens.weight.numel() * 4
@@ -160,9 +152,9 @@ def test_decode_bytes_counts_weights_and_kv(tiny):
     assert throughput.decode_bytes(llm, {"mean_decode_batch": 3, "mean_decode_context": 10}) == weights + 30 * kv
 
 
-def test_hf_mode_prints_both_tables(tiny, capsys):
-    """nanokv against HF generate on a tiny model: the batch table and the batch-1 table."""
-    bench.main(["--mode", "hf", "--model", str(tiny), "--batch", "2", "--input-len", "16", "--output-len", "4",
+def test_hf_mode_prints_both_tables(tiny_dir, capsys):
+    """nanokv against HF generate on a tiny_dir model: the batch table and the batch-1 table."""
+    bench.main(["--mode", "hf", "--model", str(tiny_dir), "--batch", "2", "--input-len", "16", "--output-len", "4",
                 "--chat-lens", "20", "60", "--chat-tokens", "3"])
     out = capsys.readouterr().out
     assert "ratio nanokv / transformers" in out
@@ -170,9 +162,9 @@ def test_hf_mode_prints_both_tables(tiny, capsys):
     assert len(rows) == 2 and all(len(r) == 6 and all(float(x) >= 0 for x in r) for r in rows)
 
 
-def test_prefix_mode_end_to_end(tiny, tmp_path, capsys):
+def test_prefix_mode_end_to_end(tiny_dir, tmp_path, capsys):
     out = tmp_path / "prefix.jsonl"
-    records = bench.main(["--model", str(tiny), "--mode", "prefix", "--input-len", "40", "--suffix-len", "8",
+    records = bench.main(["--model", str(tiny_dir), "--mode", "prefix", "--input-len", "40", "--suffix-len", "8",
                           "--num-requests", "3", "--turns", "3", "--output-len", "4", "--dtype", "float32",
                           "--out", str(out)])
     assert [json.loads(line) for line in out.read_text().splitlines()] == records
