@@ -17,7 +17,7 @@ the weights, so a GPU run needs no checkpoint. Prompts are random token ids and 
 ignored: every request generates exactly its output length. --kv-cache-gb: the KV pool
 (paper and sweep: 4 on CUDA, 0.4 on a CPU); --kv-cache-dtype int8|fp8: a quantized KV cache
 (the same pool then holds ~1.8x the tokens of a bf16 cache); the other engine flags as the
-server's (nanokv/config.py).
+server's (nanokv/tools/flags.py).
 
 What the numbers mean (fits, largest batch, tokens/s, peak KV): docs/BENCH.md.
 """
@@ -31,10 +31,10 @@ import time
 import torch
 
 from models.shapes import SHAPES
-from nanokv.config import add_engine_flags
-from nanokv.eviction import spec_argument
 from nanokv.tools.bench_hf import bench_vs_hf
 from nanokv.tools.bench_prefix import bench_prefix
+from nanokv.tools.flags import add_engine_flags
+from nanokv.tools.method_spec import spec_argument
 from nanokv.tools.tables import plot
 from nanokv.tools.throughput import bench_paper, bench_sweep, bench_workload
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from nanokv import LLM, SamplingParams
-from nanokv.config import add_engine_flags, engine_options
+from nanokv.tools.flags import add_engine_flags, engine_options
 
 HELP = "commands: /reset  /system TEXT  /stats  /quit"
 

@@ -7,8 +7,7 @@ table and context length, so after per-head eviction heads hold different
 numbers of pairs. Page `(layer * num_blocks + block) * Hkv + head` is block's
 own page for that head (a layer's pages lie together, as a per-layer pool
 would), and those make the whole page table of a sequence whose heads all
-hold the same pairs. Which blocks are free is the engine's business
-(nanokv/engine/block_manager.py); this module only lays out the tensors.
+hold the same pairs (which blocks are free: nanokv/engine/block_manager.py).
 
 Beside K and V, every slot carries the metadata eviction needs: the original
 token position (int32) and an attention score (fp32), and, when the cache is

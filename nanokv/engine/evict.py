@@ -165,6 +165,6 @@ class Evictor:
             slot = torch.arange(positions.shape[-1], device=self.device)
             return positions.masked_fill(slot >= lens[..., None], -1)[..., :int(lens.max())].cpu()
         tables = self._tables([seq], n)
-        pending = seq.method.evict_count(seq) if seq.method.evicts_eagerly else 0
+        pending = seq.method.schedule.evict_count(seq) if seq.method.schedule.evicts_eagerly else 0
         keep = self._survivors([seq], tables, n, pending)
         return read_slots(self.cache.positions, tables, n).gather(-1, keep)[0].cpu()

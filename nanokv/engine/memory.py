@@ -14,12 +14,12 @@ from nanokv.engine.cuda_graphs import DecodeGraphs
 ALLOCATOR_MARGIN = 0.01   # of the device's memory, kept free for the caching allocator's rounding
 CPU_POOL_BYTES = 10**9    # the pool on a CPU when no size is given
 
-Profile = Callable[[list[int]], None]   # runs one step of prompts of these lengths (ModelRunner.profile_forward)
 
 
 def pool_blocks(config: EngineConfig, model: ModelConfig, kv_dtype: torch.dtype, device: torch.device,
-                graphs: bool, profile: Profile) -> int:
-    """The pool size in blocks, or a ValueError if it cannot hold one sequence of max_model_len."""
+                graphs: bool, profile: Callable[[list[int]], None]) -> int:
+    """The pool size in blocks, or a ValueError if it cannot hold one sequence of max_model_len.
+    profile(lengths) runs one step of prompts of those lengths (ModelRunner.profile_forward)."""
     per_block = KVCache.bytes_per_block(model, config.block_size, kv_dtype, device)
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -38,7 +38,7 @@ def pool_blocks(config: EngineConfig, model: ModelConfig, kv_dtype: torch.dtype,
 
 
 def free_for_pool(config: EngineConfig, model: ModelConfig, kv_dtype: torch.dtype, device: torch.device,
-                  graphs: bool, profile: Profile) -> int:
+                  graphs: bool, profile: Callable[[list[int]], None]) -> int:
     """Bytes for the pool on a CUDA device: the share of it this process may use, less what
     others use, the peak of the largest step (a profiling pass), the activations the decode
     graphs keep (a second pass, at the largest decode batch) and memory_reserve."""

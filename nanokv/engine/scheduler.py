@@ -93,7 +93,7 @@ class Scheduler:
         copies fewer rather than wait."""
         hits = self._cached_prefix(seq)
         shares = seq.method.shares_blocks
-        needed = self.blocks.blocks_for(seq.method.reserve_slots(seq)) - (len(hits) if shares else 0)
+        needed = self.blocks.blocks_for(seq.method.schedule.reserve_slots(seq)) - (len(hits) if shares else 0)
         taken = sum(self.blocks.ref_counts[block] == 0 for block, _ in hits)
         while hits and not shares and not self.blocks.can_allocate(needed + taken):
             taken -= self.blocks.ref_counts[hits.pop()[0]] == 0
@@ -124,13 +124,13 @@ class Scheduler:
     def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Put seq's next chunk (and the eviction before it) in the batch; returns its
         length, 0 if seq had to be preempted for lack of blocks."""
-        evict = seq.method.evict_count(seq)
+        evict = seq.method.schedule.evict_count(seq)
         slots = seq.num_kv_slots - evict
-        n = min(budget, seq.method.max_chunk(seq, slots))
+        n = min(budget, seq.method.schedule.max_chunk(seq, slots))
         if not self._make_room(seq, slots + n):
             return 0
         if evict:   # what it keeps after the step: the chunk's slots, and at least its steady size
-            kept = self.blocks.blocks_for(max(slots + n, seq.method.steady_slots(seq)))
+            kept = self.blocks.blocks_for(max(slots + n, seq.method.schedule.steady_slots(seq)))
             batch.evictions.append(Eviction(seq, evict, seq.num_kv_slots, kept))
             seq.num_kv_slots = slots   # the runner compacts before the forward pass
         batch.seqs.append(seq)

@@ -24,19 +24,6 @@ class KVMethod:
         # It never evicts, so it never writes into its blocks after filling them: it may share
         # them with other sequences through the prefix cache (others take a private copy).
         self.shares_blocks = ranking is None
-        self.evicts_eagerly = self.schedule.evicts_eagerly
-
-    def evict_count(self, seq: Progress) -> int:
-        return self.schedule.evict_count(seq)
-
-    def max_chunk(self, seq: Progress, slots: int) -> int:
-        return self.schedule.max_chunk(seq, slots)
-
-    def reserve_slots(self, seq: Progress) -> int:
-        return self.schedule.reserve_slots(seq)
-
-    def steady_slots(self, seq: Progress) -> int:
-        return self.schedule.steady_slots(seq)
 
     @property
     def rule(self) -> tuple:

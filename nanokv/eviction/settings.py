@@ -4,7 +4,7 @@ checked on its own when either is built; a request's unset settings take the eng
 and the combination is checked, in method_for, the one place a request's method is made."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from nanokv.checks import check_bool, check_choice, check_int
 from nanokv.eviction.method import KVMethod
@@ -43,9 +43,6 @@ class EvictionSettings:
         check_int("kv_window", self.kv_window, 1, optional=True)
         check_int("kv_pool", self.kv_pool, 1, optional=True)
         check_bool("kv_score_all", self.kv_score_all, optional=True)
-
-
-EVICTION_FIELDS = tuple(f.name for f in fields(EvictionSettings))
 
 
 def method_for(request: EvictionSettings, engine: EvictionSettings, block_size: int) -> KVMethod:

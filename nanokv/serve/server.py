@@ -24,10 +24,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nanokv.config import add_engine_flags, engine_options
 from nanokv.llm import LLM, RequestOutput
 from nanokv.serve.engine_thread import EngineError, EngineThread
 from nanokv.serve.openai_api import APIError, ParsedRequest, Responder, from_engine, parse
+from nanokv.tools.flags import add_engine_flags, engine_options
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DISCONNECT_POLL_S = 0.5   # how often a non-streaming request checks that its client is still there

@@ -6,7 +6,7 @@
 Real long texts found offline, cut to --doc-tokens tokens, each measured teacher-forced
 (perplexity and next-token agreement with the full cache, from the prompt logprobs under
 eviction) and as a greedy continuation (tokens identical to the full cache's). Methods are
-written as bench.py takes them (nanokv.eviction.parse_spec); --kv-cache-dtype int8 fp8
+written as bench.py takes them (nanokv/tools/method_spec.py); --kv-cache-dtype int8 fp8
 repeats every run on a quantized cache. The JSON (--out) holds every number per document,
 the settings and the environment; what each column means, and the results: docs/ACCURACY.md.
 """
@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from nanokv import LLM, SamplingParams
-from nanokv.eviction import parse_spec, schedule_name, spec_argument
+from nanokv.tools.method_spec import parse_spec, schedule_name, spec_argument
 
 FULL = "full"
 TARGET_FRACTION = 0.25      # the target: at a budget of 25% of the document, the best prefill-schedule method ...

@@ -17,14 +17,14 @@ import torch
 from tqdm import tqdm
 
 from nanokv import LLM, SamplingParams
-from nanokv.config import engine_options
-from nanokv.eviction import parse_spec
+from nanokv.tools.flags import engine_options
+from nanokv.tools.method_spec import parse_spec
 from nanokv.tools.tables import (CONTINUOUS_COLUMNS, STATIC_COLUMNS, SWEEP_COLUMNS, WORKLOAD_COLUMNS, method_label,
                                  print_table)
 
 
 class Method(NamedTuple):
-    name: str            # RANKING[@SCHEDULE][,KEY=INT...] (nanokv.eviction.parse_spec): batchmax, h2o@prefill, ...
+    name: str            # RANKING[@SCHEDULE][,KEY=INT...] (nanokv/tools/method_spec.py): batchmax, h2o@prefill, ...
     budget: int | None   # |kv|; None for full
 
     @property

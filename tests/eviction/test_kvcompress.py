@@ -274,7 +274,8 @@ def test_kvc_full_settings_are_checked():
     it keeps (no query counted them yet)."""
     from nanokv import SamplingParams
     from nanokv.config import EngineConfig
-    from nanokv.eviction import make_method, parse_spec
+    from nanokv.eviction import make_method
+    from nanokv.tools.method_spec import parse_spec
 
     with pytest.raises(ValueError, match="kv_score_all is a setting of kvcompress only; it must be None for h2o"):
         make_method("h2o", None, 32, 16, BLOCK, score_all=False)

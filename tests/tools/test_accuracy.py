@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from helpers import make_tiny_model
-from nanokv.eviction import parse_spec, schedule_name
 from nanokv.tools import accuracy
 from nanokv.tools.accuracy import Source
+from nanokv.tools.method_spec import parse_spec, schedule_name
 
 
 def logprobs(values, top_tokens=None):

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from nanokv.eviction.rankings import RANKINGS
-from nanokv.eviction.schedules import SCHEDULES
-from nanokv.eviction.settings import METHODS
+from nanokv.eviction import METHODS, RANKINGS, SCHEDULES
 
 SPEC_KEYS = {"sinks": "kv_sinks", "recent": "kv_recent", "window": "kv_window", "pool": "kv_pool",
              "every": "evict_every", "all": "kv_score_all"}
