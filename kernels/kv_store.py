@@ -3,13 +3,13 @@
 Cache layout (the one source of truth; models/kv_cache.py allocates it). One pool
 of P pages shared by every layer; a page holds block_size slots of ONE (layer,
 KV head) of one sequence (KV-Compress, Sec. 4.2.1), so each head of each layer
-has its own block table and its own context length, and a head's pages are
+has its own page table and its own context length, and a head's pages are
 freed on their own:
     k_cache, v_cache: [P, block_size, head_dim]
     kv_scales:        [P, block_size, 2] float32, a quantized cache only
     pos_cache:        [P, block_size] int32, the position of the token in the slot
     score_cache:      [P, block_size] float32, the slot's eviction score
-    page_tables:     [B, Hkv, max_pages] int32 page ids of one layer (unused entries 0)
+    page_tables:      [B, Hkv, max_pages] int32 page ids of one layer (unused entries 0)
     context_lens:     [B, Hkv] int32 slots held per (sequence, KV head)
 A slot is `page * block_size + offset`. A kernel is called per layer with the
 whole pool; the layer's page tables select its pages. Heads of one sequence

@@ -111,7 +111,7 @@ def _accumulate_key_scores_kernel(
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     prefix_len = context_len - q_len   # this head's slots before this step's tokens, seen by every query
 
-    # The tile's keys, each slot looked up in its head's block table on its own, so
+    # The tile's keys, each slot looked up in its head's page table on its own, so
     # BLOCK_N need not match the block size.
     slots = first_slot + tl.arange(0, BLOCK_N)
     slot_mask = slots < context_len
