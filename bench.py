@@ -6,6 +6,8 @@
     python bench.py --mode sweep         methods x budgets x batches x input lengths, as JSON lines
     python bench.py --mode prefix        prefix caching on and off: a shared prefix, a chat
                                          (nanokv/tools/bench_prefix.py)
+    python bench.py --mode host          the engine's own time per decode step, on a tiny model
+                                         (batch 1 to 512, every method: nanokv/tools/host_time.py)
     python bench.py --mode hf            nanokv against HF transformers `generate` on the CPU
                                          (batch 8, and batch 1 at three prompt lengths: nanokv/tools/bench_hf.py)
     python bench.py --mode gpu-report --report gpu.md
@@ -34,6 +36,7 @@ from models.shapes import SHAPES
 from nanokv.tools.bench_hf import bench_vs_hf
 from nanokv.tools.bench_prefix import bench_prefix
 from nanokv.tools.flags import add_engine_flags
+from nanokv.tools.host_time import bench_host
 from nanokv.tools.method_spec import spec_argument
 from nanokv.tools.tables import plot
 from nanokv.tools.throughput import bench_paper, bench_sweep, bench_workload
@@ -51,6 +54,8 @@ MODE_DEFAULTS = {
     "paper": dict(input_len=3584, output_len=512, methods=["full", "ed", "batchmax"]),
     "sweep": dict(input_len=3584, output_len=512, methods=["full", "ed", "batchmax", "decode_only"]),
     "workload": dict(num_requests=256, methods=["full", "batchmax"], max_num_seqs=256, max_num_batched_tokens=16384),
+    "host": dict(input_len=100, output_len=200, budgets=[64], evict_every=32, batches=[1, 16, 64, 256, 512], threads=1,
+                 methods=["full", "batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "kvcompress", "ed"]),
     "gpu-report": {},
     "prefix": dict(num_requests=8, input_len=512, output_len=16),
 }
@@ -61,7 +66,7 @@ MODE_DEFAULTS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags, with defaults that depend on the mode and the preset (the preset's win)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["paper", "workload", "sweep", "hf", "gpu-report", "prefix"])
+    p.add_argument("--mode", choices=["paper", "workload", "sweep", "hf", "gpu-report", "prefix", "host"])
     p.add_argument("--preset", choices=sorted(PRESETS))
     p.add_argument("--model", default=None, help="HF directory or hub id (default: the bundled SmolLM2-135M)")
     p.add_argument("--random-weights", metavar="SHAPE", choices=sorted(SHAPES),
@@ -78,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=128, help="paper: the largest static batch tried")
     p.add_argument("--num-requests", type=int, help="paper: continuous stream length (default 4 x the "
                    "largest static batch; 0: no continuous run); workload: requests (default 256)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="sweep: batch sizes")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="sweep, host: batch sizes")
     p.add_argument("--input-lens", type=int, nargs="+", help="sweep: input lengths (default --input-len)")
     p.add_argument("--threads", type=int, help="CPU threads for torch")
     p.add_argument("--batch", type=int, default=8, help="hf: batch size (0: no batch table)")
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     start = time.perf_counter()
     modes = {"paper": bench_paper, "workload": bench_workload, "sweep": bench_sweep,
-             "prefix": bench_prefix}
+             "prefix": bench_prefix, "host": bench_host}
     records = modes[args.mode](args, save)
     if args.plot:
         plot(records, args.plot)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import DecodeWorkspace, StepPlan
+from kernels import DecodeWorkspace
 
 
 @dataclass
@@ -30,4 +30,3 @@ class AttentionMetadata:
     square_scores: torch.Tensor | None = None  # [B] bool: the sequence adds squared probabilities (None: none does)
     score_skip: torch.Tensor | None = None  # [B] int32: queries add nothing to keys fewer positions before (KVC-full)
     decode_workspace: DecodeWorkspace | None = None  # flash-decoding's scratch, allocated once (None: per call)
-    cpu_plan: StepPlan | None = None   # the CPU backend's gathers and masks for every layer, built once per step

@@ -45,7 +45,7 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+                cache: KVCache, meta: AttentionMetadata, cpu_plan: kernels.StepPlan | None) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -64,7 +64,7 @@ class Attention(nn.Module):
                                       score_from=meta.score_from, square_scores=meta.square_scores,
                                       score_skip=meta.score_skip, positions=positions, pos_cache=cache.positions,
                                       logits=cache.logits, workspace=meta.decode_workspace,
-                                      cpu_plan=None if meta.cpu_plan is None else meta.cpu_plan.layer(i),
+                                      cpu_plan=None if cpu_plan is None else cpu_plan.layer(i),
                                       kv_scales=cache.kv_scales)
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -87,12 +87,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, positions, cos_sin, cache, meta):
+    def forward(self, x, residual, positions, cos_sin, cache, meta, cpu_plan):
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos_sin, cache, meta)
+        x = self.self_attn(x, positions, cos_sin, cache, meta, cpu_plan)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -114,8 +114,11 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        # The CPU backend's gathers and masks for every layer, built once (None elsewhere).
+        cpu_plan = kernels.plan_step(meta.page_tables, meta.cu_seqlens_q, meta.context_lens, cache.block_size,
+                                     x.dtype, meta.accumulate_scores)
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.cos_sin, cache, meta)
+            x, residual = layer(x, residual, positions, self.cos_sin, cache, meta, cpu_plan)
         x, _ = self.norm(x, residual)
         return x
 

@@ -26,6 +26,12 @@ SHAPES = {
         architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,
         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
+    # A forward pass and a sampling that cost next to nothing (a vocabulary of bytes): what the engine
+    # does around them is what shows (bench.py --mode host).
+    "tiny": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=True),
 }
 
 

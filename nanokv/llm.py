@@ -8,6 +8,7 @@ new tokens, and here the tokens become text (with stop strings applied).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -25,10 +26,11 @@ from nanokv.checks import check_token_ids
 from nanokv.config import KV_CACHE_DTYPES, EngineConfig, resolve_dtype
 from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.prefix_cache import PrefixCache
-from nanokv.engine.runner import ModelRunner, Timings
+from nanokv.engine.runner import ModelRunner
 from nanokv.engine.sampler import FAILED
 from nanokv.engine.scheduler import Scheduler
 from nanokv.engine.sequence import PromptLogprob, Sequence
+from nanokv.engine.timing import StepClock, Timings
 from nanokv.eviction import EvictionSettings, KVMethod, method_for
 from nanokv.sampling_params import SamplingParams
 from nanokv.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -120,6 +122,7 @@ class LLM:
         self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path))
         self.requests: dict[int, _Request] = {}
         self._ids = count()
+        self._timings: Timings | None = None   # inside timing()
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -208,45 +211,55 @@ class LLM:
         sched, blocks = self.scheduler, self.blocks
         return EngineStats(len(sched.running), len(sched.waiting), sum(seq.num_kv_slots for seq in sched.running),
                            blocks.num_free, blocks.num_blocks, blocks.block_size, self.runner.kv_cache.block_bytes,
-                           sched.num_preemptions,
-                           self.runner.timings and dataclasses.replace(self.runner.timings))
+                           sched.num_preemptions, copy.deepcopy(self._timings))
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[Timings]:
         """Time the phases of every step inside the block (the device is synchronised around
         each, which slows it a little); yields the running totals, also in stats()."""
-        self.runner.timings = timings = Timings()
+        self._timings = timings = Timings()
         try:
             yield timings
         finally:
-            self.runner.timings = None
+            self._timings = None
 
     # ----- stepping -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns an output for every request that got a new token."""
+        return self._step(every_token=True)
+
+    def _step(self, every_token: bool) -> list[RequestOutput]:
+        """One step; outputs of the requests that got a token (every_token) or finished."""
+        clock = StepClock(self._timings, self.device)
         batch = self.scheduler.schedule()
+        clock.lap("schedule")
         if not batch:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("requests are waiting but none can be scheduled")
             return []
         try:
-            sampled = self.runner.run(batch)
+            sampled = self.runner.run(batch, clock)
         except Exception:
             if self.blocks.cache is not None:
                 self.blocks.cache.forget_pending()
             raise
         failed = self._take_sampling_failures(sampled)
         done = {seq.seq_id: reason for seq, reason in self.scheduler.update(batch, sampled)}
+        clock.lap("update")
         outputs = [self._fail(self.requests[seq_id], error) for seq_id, error in failed.items()]
         for seq_id, token in sampled.items():
             request = self.requests[seq_id]
             try:
                 if seq_id in done:
                     self._finish(request.seq, done[seq_id])
-                outputs.append(self._emit(request, token))
+                out = self._emit(request, token, every_token)
+                if out is not None:
+                    outputs.append(out)
             except Exception as error:   # this request's own failure: it ends, the others go on
                 outputs.append(self._fail(request, error, token))
+        clock.lap("outputs")
+        clock.end(decode=max(batch.num_new_tokens) == 1)
         return outputs
 
     def _take_sampling_failures(self, sampled: dict[int, int]) -> dict[int, Exception]:
@@ -280,8 +293,12 @@ class LLM:
             seq.kept_positions = self.runner.kept_positions(seq)
         self.scheduler.finish(seq, reason)
 
-    def _emit(self, request: _Request, token: int) -> RequestOutput:
+    def _emit(self, request: _Request, token: int, every_token: bool) -> RequestOutput | None:
+        """Detokenize the request's new token and check its stop strings; its output, if it
+        finished or every_token asks for one."""
         seq = request.seq
+        if not (every_token or seq.is_finished or request.detokenizer or seq.params.stop):
+            return None   # nothing to say yet, and no text to follow
         if request.detokenizer is not None:
             request.text += request.detokenizer.add([token])
             if seq.is_finished:   # no more tokens will complete a held-back partial character
@@ -297,6 +314,8 @@ class LLM:
         new_text, request.streamed = request.text[request.streamed:upto], upto
         if seq.is_finished:
             del self.requests[seq.seq_id]
+        elif not every_token:
+            return None
         return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids,
                              request.text[:upto], list(seq.output_token_ids), new_text, [token],
                              seq.is_finished, seq.finish_reason,
@@ -319,7 +338,7 @@ class LLM:
         pending, results = set(ids), {}
         with tqdm(total=len(ids), disable=not use_tqdm, desc="generating") as bar:
             while pending:
-                for out in self.step():
+                for out in self._step(every_token=False):
                     if out.finished and out.request_id in pending:
                         results[out.request_id] = out
                         pending.discard(out.request_id)

@@ -7,10 +7,12 @@ the profiling passes the pool is sized by (memory.py).
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
+from itertools import accumulate, chain
 
+import numpy as np
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 import kernels
 from models import AttentionMetadata, Decoder, KVCache
@@ -20,6 +22,7 @@ from nanokv.engine.cuda_graphs import DecodeGraphs
 from nanokv.engine.sampler import Sampler
 from nanokv.engine.scheduler import ScheduledBatch
 from nanokv.engine.sequence import PromptLogprob, Sequence
+from nanokv.engine.timing import StepClock
 from nanokv.eviction import AverageAttention, KVMethod
 from nanokv.sampling_params import SamplingParams
 
@@ -30,17 +33,6 @@ def on_device(device: torch.device):
     """Make device the current CUDA device inside (Triton launches, graph capture and the
     memory statistics use the current one); nothing to do for a CPU."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-@dataclass
-class Timings:
-    """Where the runner's time went (bench.py): seconds and steps per phase."""
-    prefill_s: float = 0.0   # steps with a prompt chunk (mixed steps count here)
-    decode_s: float = 0.0    # steps of decodes only
-    evict_s: float = 0.0
-    host_s: float = 0.0      # building the step's inputs (prepare): the host's share of every step
-    prefill_steps: int = 0
-    decode_steps: int = 0
 
 
 @dataclass
@@ -75,7 +67,6 @@ class ModelRunner:
             self.kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
             self.evictor = evict.Evictor(self.kv_cache)
             self.sampler = Sampler(device, config.seed)
-            self.timings: Timings | None = None   # set to Timings() to measure (syncs the device)
             self.graphs = None
             if self.uses_graphs:
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.decode_workspace, config.max_num_seqs,
@@ -102,134 +93,133 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch, cache: KVCache | None = None) -> StepInputs:
         """Flatten the batch into the step's tensors, decodes first (AttentionMetadata),
-        and note which rows get logits. cache: the pool the pages are in (the runner's)."""
+        and note which rows get logits. cache: the pool the pages are in (the runner's).
+        Per sequence only the numbers that differ are read; the rest is numpy and torch."""
+        seqs, num_new = batch.seqs, batch.num_new_tokens
+        if max(num_new) > 1:   # decodes first, in order: flash-decoding takes the leading one-query rows
+            order = [i for i, n in enumerate(num_new) if n == 1] + [i for i, n in enumerate(num_new) if n > 1]
+            seqs, num_new = [seqs[i] for i in order], [num_new[i] for i in order]
+        starts = [seq.num_computed_tokens for seq in seqs]
+        cu_seqlens = list(accumulate(num_new, initial=0))
         step = StepInputs()
-        ids, positions, cu_seqlens = [], [], [0]
-        order = sorted(zip(batch.seqs, batch.num_new_tokens), key=lambda seq_n: seq_n[1] != 1)   # stable
-        for seq, n in order:
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)   # true positions, also after eviction
-            cu_seqlens.append(cu_seqlens[-1] + n)
-            if seq.prompt_logprobs is not None:   # rows predicting a prompt token
-                last = min(start + n, len(seq.prompt_token_ids) - 1)
-                step.logprob_rows += range(cu_seqlens[-2], cu_seqlens[-2] + last - start)
-                step.logprob_targets += ((seq, i + 1) for i in range(start, last))
-            if start + n == seq.num_tokens:   # the chunk reaches the end: sample the next token
-                step.sample_rows.append(cu_seqlens[-1] - 1)
-                step.sampled_seqs.append(seq)
-        seqs, num_new = [seq for seq, _ in order], [n for _, n in order]
-        tables, lens, max_context_len = self._step_pages(seqs, num_new, cache or self.kv_cache)
+        ends = [i for i, (seq, start, n) in enumerate(zip(seqs, starts, num_new))
+                if start + n == seq.num_prompt_tokens + len(seq.output_token_ids)]
+        step.sampled_seqs = [seqs[i] for i in ends]            # the chunk reaches the end: sample the next token
+        step.sample_rows = [cu_seqlens[i + 1] - 1 for i in ends]
+        for i in [i for i, seq in enumerate(seqs) if seq.prompt_logprobs is not None]:   # rows predicting a prompt token
+            seq, start = seqs[i], starts[i]
+            last = min(start + num_new[i], seq.num_prompt_tokens - 1)
+            step.logprob_rows += range(cu_seqlens[i], cu_seqlens[i] + last - start)
+            step.logprob_targets += ((seq, j + 1) for j in range(start, last))
+        n = np.array(num_new)
+        row_seq = np.repeat(np.arange(len(seqs)), n)                      # [T]: each row's sequence
+        from_end = np.repeat(np.array(cu_seqlens[1:]), n) - np.arange(cu_seqlens[-1])   # 1 for a chunk's last row
+        if len(ends) == len(seqs) == cu_seqlens[-1]:   # decodes only: each feeds its last token
+            ids = np.array([seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
+                            for seq in seqs])
+        else:
+            ids = np.fromiter(chain.from_iterable(seq.tokens(start, k) for seq, start, k in zip(seqs, starts, num_new)),
+                              dtype=np.int64, count=cu_seqlens[-1])
+        positions = np.array(starts)[row_seq] + n[row_seq] - from_end   # true positions, also after eviction
+        tables, lens, max_context_len = self._step_pages(seqs, n, cache or self.kv_cache)
         methods = [seq.method for seq in seqs]
-
-        def tensor(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=self.device)
-        step.input_ids, step.positions = tensor(ids, torch.long), tensor(positions, torch.long)
+        scores = any(m.needs_scores for m in methods)
+        squares = scores and any(m.squares_scores for m in methods)
+        skips = scores and any(m.score_skip for m in methods)
+        step.input_ids, step.positions = self._to_device(ids), self._to_device(positions)
         step.meta = AttentionMetadata(
-            slot_mapping=self._slot_mapping(tables, lens, num_new), cu_seqlens_q=tensor(cu_seqlens, torch.int32),
-            context_lens=lens, page_tables=tables,
-            max_query_len=max(num_new), max_context_len=max_context_len, num_decodes=num_new.count(1),
-            accumulate_scores=any(m.needs_scores for m in methods),
-            score_from=tensor([m.score_from(seq) for m, seq in zip(methods, seqs)], torch.int32),
-            square_scores=tensor([m.squares_scores for m in methods], torch.bool)
-            if any(m.squares_scores for m in methods) else None,
-            score_skip=tensor([m.score_skip for m in methods], torch.int32) if any(m.score_skip for m in methods)
-            else None,
+            slot_mapping=self._slot_mapping(tables, lens, self._to_device(row_seq), self._to_device(from_end)),
+            cu_seqlens_q=self._to_device(np.array(cu_seqlens, dtype=np.int32)), context_lens=lens,
+            page_tables=tables, max_query_len=max(num_new), max_context_len=max_context_len,
+            num_decodes=num_new.count(1), accumulate_scores=scores,
+            score_from=self._array([m.score_from(seq) for m, seq in zip(methods, seqs)], np.int32) if scores else None,
+            square_scores=self._array([m.squares_scores for m in methods], np.bool_) if squares else None,
+            score_skip=self._array([m.score_skip for m in methods], np.int32) if skips else None,
             decode_workspace=self.decode_workspace)
-        meta = step.meta   # the CPU backend's gathers and masks for every layer, built once for the step
-        meta.cpu_plan = kernels.plan_step(meta.page_tables, meta.cu_seqlens_q, meta.context_lens, self.block_size,
-                                          self.dtype, meta.accumulate_scores)
         return step
 
-    def _step_pages(self, seqs: list[Sequence], num_new: list[int],
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """A host array on the engine's device; on CUDA from pinned memory, so that the host
+        goes on without waiting for the device to take it."""
+        tensor = torch.from_numpy(array)
+        return tensor.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else tensor
+
+    def _array(self, values: list, dtype) -> torch.Tensor:
+        return self._to_device(np.array(values, dtype=dtype))
+
+    def _step_pages(self, seqs: list[Sequence], num_new: np.ndarray,
                     cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Each head's pages [L, B, Hkv, W] and length this step [L, B, Hkv], and a host-side
         bound of the lengths. A head's pages are its sequence's blocks' (KVCache.batch_pages),
         or its own once an uneven method has evicted (Sequence.head_pages)."""
-        widths = [len(seq.block_table) for seq in seqs]
-        widths += [seq.head_pages.tables.shape[-1] for seq in seqs if seq.head_pages is not None]
-        width = max(widths)
-        blocks = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs],
-                              dtype=torch.int32, device=self.device)
-        tables = cache.batch_pages(blocks)
-        lens = [seq.num_kv_slots + n for seq, n in zip(seqs, num_new)]
-        bound = max(lens)
-        lens = torch.tensor(lens, dtype=torch.int32, device=self.device)[None, :, None].repeat(
-            tables.shape[0], 1, tables.shape[2])
-        for b, (seq, n) in enumerate(zip(seqs, num_new)):
-            own = seq.head_pages
-            if own is not None:
-                tables[:, b, :, :own.tables.shape[-1]] = own.tables
-                lens[:, b] = own.lens + (seq.num_kv_slots + n - own.slots)
-                bound = max(bound, own.tables.shape[-1] * self.block_size)
+        counts = np.array([len(seq.block_table) for seq in seqs])
+        own = [(b, seq) for b, seq in enumerate(seqs) if seq.head_pages is not None]
+        width = max([int(counts.max())] + [seq.head_pages.tables.shape[-1] for _, seq in own])
+        blocks = np.zeros((len(seqs), width), dtype=np.int32)
+        blocks[np.arange(width) < counts[:, None]] = np.fromiter(
+            chain.from_iterable(seq.block_table for seq in seqs), dtype=np.int32, count=int(counts.sum()))
+        tables = cache.batch_pages(self._to_device(blocks))
+        lens = np.array([seq.num_kv_slots for seq in seqs]) + num_new
+        bound = int(lens.max())
+        lens = self._to_device(lens.astype(np.int32))[None, :, None].expand(tables.shape[:3]).contiguous()
+        if own:   # heads with pages of their own: all of them put in place at once
+            rows, heads = [b for b, _ in own], [seq.head_pages for _, seq in own]
+            own_tables = pad_sequence([h.tables.permute(2, 0, 1) for h in heads])   # [W', N, L, H]
+            tables[:, rows, :, :own_tables.shape[0]] = own_tables.permute(2, 1, 3, 0)
+            taken = self._array([seqs[b].num_kv_slots + num_new[b] - h.slots for b, h in zip(rows, heads)], np.int32)
+            lens[:, rows] = (torch.stack([h.lens for h in heads]) + taken[:, None, None]).transpose(0, 1)
+            bound = max(bound, own_tables.shape[0] * self.block_size)
         return tables, lens, bound
 
-    def _slot_mapping(self, tables: torch.Tensor, lens: torch.Tensor, num_new: list[int]) -> torch.Tensor:
-        """[L, T, Hkv] int64: where each new token's pair goes in every head, the last
-        num_new[b] of the head's lens [L, B, Hkv] slots, through its pages tables [L, B, Hkv, W]."""
+    def _slot_mapping(self, tables: torch.Tensor, lens: torch.Tensor, row_seq: torch.Tensor,
+                      from_end: torch.Tensor) -> torch.Tensor:
+        """[L, T, Hkv] int64: where each new token's pair goes in every head, the last num_new[b]
+        of the head's lens [L, B, Hkv] slots, through its pages tables [L, B, Hkv, W]; row t is
+        from_end[t] slots from the end of sequence row_seq[t]."""
         L, B, H = lens.shape
-        device = self.device
-        n = torch.tensor(num_new, device=device)
-        seq = torch.repeat_interleave(torch.arange(B, device=device), n)          # [T]: each row's sequence
-        j = torch.arange(len(seq), device=device) - (n.cumsum(0) - n)[seq]        # its index in the chunk
-        index = lens[:, seq] - (n[seq] - j)[None, :, None]                          # [L, T, H]: its slot per head
-        pages = tables[torch.arange(L, device=device)[:, None, None], seq[None, :, None],
-                       torch.arange(H, device=device)[None, None, :], index // self.block_size]
+        if len(row_seq) == B:   # one token a sequence: its pair goes to each head's last slot
+            index = lens - 1
+            pages = tables.gather(3, (index // self.block_size)[..., None].long())[..., 0]
+        else:
+            index = lens[:, row_seq] - from_end[None, :, None]                      # [L, T, H]: its slot per head
+            pages = tables[torch.arange(L, device=self.device)[:, None, None], row_seq[None, :, None],
+                           torch.arange(H, device=self.device)[None, None, :], index // self.block_size]
         return pages.long() * self.block_size + index % self.block_size
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[int, int]:
+    def run(self, batch: ScheduledBatch, clock: StepClock | None = None) -> dict[int, int]:
         """Copy cached blocks, evict, then one forward pass; returns seq_id -> sampled token for the
-        sequences whose chunk reached their end."""
+        sequences whose chunk reached their end. clock: laps the phases (LLM.timing)."""
+        clock = clock or StepClock(None, self.device)
         with on_device(self.device):
-            return self._run(batch)
-
-    def _run(self, batch: ScheduledBatch) -> dict[int, int]:
-        start = self._clock()
-        if batch.copies:
-            cached, own = zip(*batch.copies)
-            self.kv_cache.copy_blocks(list(cached), list(own))
-        self.evictor.evict(batch.evictions)
-        evicted = self._clock()
-        step = self.prepare(batch)
-        if self.timings is not None:
-            self.timings.host_s += self._clock() - evicted
-        meta = step.meta
-        if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(meta):
-            hidden = self.graphs.run(step.input_ids, step.positions, meta)
-        else:
-            hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
-        if step.logprob_rows:
-            self._record_prompt_logprobs(hidden, step)
-        sampled = {}
-        if step.sample_rows:
-            seqs = step.sampled_seqs
-            logits = self.model.compute_logits(hidden[step.sample_rows])
-            tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            sampled = dict(zip((s.seq_id for s in seqs), tokens.tolist()))
-        if self.timings is not None:
-            self._record_time(start, evicted, self._clock(), decode=meta.max_query_len == 1)
-        return sampled
+            if batch.copies:
+                cached, own = zip(*batch.copies)
+                self.kv_cache.copy_blocks(list(cached), list(own))
+            self.evictor.evict(batch.evictions)
+            clock.lap("evict")
+            step = self.prepare(batch)
+            clock.lap("prepare")
+            meta = step.meta
+            if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(meta):
+                hidden = self.graphs.run(step.input_ids, step.positions, meta)
+            else:
+                hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
+            logits = self.model.compute_logits(hidden[step.sample_rows]) if step.sample_rows else None
+            clock.lap("forward")
+            if step.logprob_rows:
+                self._record_prompt_logprobs(hidden, step)
+            sampled = {}
+            if logits is not None:
+                seqs = step.sampled_seqs
+                tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+                sampled = dict(zip((s.seq_id for s in seqs), tokens.tolist()))
+            clock.lap("sample")
+            return sampled
 
     def kept_positions(self, seq: Sequence) -> torch.Tensor:
         """[L, H, n]: the original positions of the pairs seq holds at the end (evict.py)."""
         with on_device(self.device):
             return self.evictor.kept_positions(seq)
-
-    def _clock(self) -> float:
-        if self.timings is None:
-            return 0.0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _record_time(self, start: float, evicted: float, end: float, decode: bool) -> None:
-        t = self.timings
-        t.evict_s += evicted - start
-        if decode:
-            t.decode_s, t.decode_steps = t.decode_s + end - evicted, t.decode_steps + 1
-        else:
-            t.prefill_s, t.prefill_steps = t.prefill_s + end - evicted, t.prefill_steps + 1
 
     def _record_prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> None:
         """Score each prompt token by the logits of the row before it, a slice at a time

@@ -53,18 +53,25 @@ class Sequence:
     num_cached_tokens: int = 0         # prompt tokens taken from the prefix cache at its last admission
     prefix_serials: list[int] = field(default_factory=list)    # prefix-cache entries of its full blocks
     head_pages: HeadPages | None = None                          # an uneven method's own page tables
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self):
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def tokens(self, start: int, n: int) -> list[int]:
+        """token_ids[start:start + n], without building token_ids."""
+        prompt = self.num_prompt_tokens
+        if start >= prompt:
+            return self.output_token_ids[start - prompt:start - prompt + n]
+        return self.prompt_token_ids[start:start + n] + self.output_token_ids[:max(start + n - prompt, 0)]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:

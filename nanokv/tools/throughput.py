@@ -113,15 +113,16 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
     if not fits:   # give the blocks back (aborting a finished request does nothing)
         for request_id in ids:
             llm.abort(request_id)
-    steps = timings.decode_steps
+    steps, decode_s, prefill_s = timings.decode_steps, sum(timings.decode.values()), sum(timings.prefill.values())
     return dict(
         fits=fits, requests=len(requests), output_tokens=tokens, wall_s=wall,
         tokens_per_s=tokens / wall if fits else None,
         peak_kv_gb=peak_blocks * stats.block_bytes / 1e9,
         cuda_max_allocated_gb=torch.cuda.max_memory_allocated(llm.device) / 1e9 if cuda else None,
-        decode_ms_per_step=1e3 * timings.decode_s / steps if steps else None,
-        prefill_s=timings.prefill_s, decode_s=timings.decode_s, evict_s=timings.evict_s,
-        host_ms_per_step=1e3 * timings.host_s / max(steps + timings.prefill_steps, 1),
+        decode_ms_per_step=1e3 * decode_s / steps if steps else None,
+        prefill_s=prefill_s, decode_s=decode_s, evict_s=timings.decode["evict"] + timings.prefill["evict"],
+        host_ms_per_step=1e3 * (timings.host_s("decode") + timings.host_s("prefill"))
+        / max(steps + timings.prefill_steps, 1),
         prefill_steps=timings.prefill_steps, decode_steps=steps,
         mean_decode_batch=decode_batch / steps if steps else None,
         mean_decode_context=decode_context / decode_batch if decode_batch else None,

@@ -78,7 +78,7 @@ def test_a_failed_step_leaves_no_uncomputed_block_in_the_cache(tiny_dir, monkeyp
     prompt = tokens(40, seed=9)
     request = llm.add_request(prompt, GREEDY)
 
-    def failing(batch):
+    def failing(batch, clock=None):
         raise RuntimeError("the device fell over")
     monkeypatch.setattr(llm.runner, "run", failing)
     with pytest.raises(RuntimeError, match="fell over"):

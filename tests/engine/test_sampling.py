@@ -96,6 +96,38 @@ def test_stop_strings_cut_the_text_and_streaming_adds_up(llm):
     assert last.text == full[:cut] == "".join(pieces)
 
 
+def test_generate_gives_what_streaming_gives(llm):
+    """generate() builds an output only when a request finishes; streaming builds one every step.
+    Text, tokens and reasons are the same, stop strings, stop tokens and lengths alike."""
+    prompts = [[40, 41, 42], [7, 8], [1, 2, 3, 4, 5], [60] * 9]
+    full = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[full[0].text[8:11]]),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[full[0].token_ids[3]]),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)]
+    generated = llm.generate(prompts, params)
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    streamed = {}
+    while llm.has_unfinished():
+        for out in llm.step():
+            streamed[out.request_id] = out
+    for got, request in zip(generated, ids):
+        want = streamed[request]
+        assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+
+
+def test_timing_records_every_phase_of_the_steps_inside(llm):
+    assert llm.stats().timings is None
+    with llm.timing() as timings:
+        llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        inside = llm.stats()
+    assert llm.stats().timings is None and inside.timings == timings   # a copy, taken inside
+    assert timings.prefill_steps == 1 and timings.decode_steps == 5
+    assert all(seconds > 0 for seconds in timings.decode.values())
+    assert timings.host_s("decode") == pytest.approx(sum(timings.decode.values()) - timings.decode["forward"])
+    assert inside.running == inside.waiting == 0 and inside.free_blocks == inside.total_blocks
+
+
 def test_abort_frees_the_request(llm):
     rid = llm.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
     llm.step()

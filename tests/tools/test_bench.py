@@ -177,3 +177,14 @@ def test_prefix_mode_end_to_end(tiny_dir, tmp_path, capsys):
     assert [r["cached_tokens"] for r in records] == [0, 0, 64, 16]
     assert all(r["same_outputs"] for r in records[2:])
     assert "mean TTFT s" in capsys.readouterr().out
+
+
+def test_host_mode_times_every_phase_per_decode_step(capsys):
+    records = bench.main(["--mode", "host", "--batches", "1", "3", "--methods", "full", "kvcompress",
+                          "--input-len", "20", "--output-len", "6"])
+    assert len(records) == 2 * 2 * 2   # methods x batches x caching off and on
+    for r in records:
+        assert r["decode_steps"] > 0 and {"device", "date", "commit", "caching", "method", "batch"} <= r.keys()
+        phases = [r[p] for p in ("schedule", "evict", "prepare", "sample", "update", "outputs")]
+        assert min(phases) >= 0 and r["host"] == pytest.approx(sum(phases)) and r["forward"] > 0
+    assert "per-sequence slope, batch 1 to 3" in capsys.readouterr().out

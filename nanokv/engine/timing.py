@@ -1,0 +1,63 @@
+"""Where the steps' time goes (LLM.timing, bench.py): each phase of a step timed on the host,
+the device synchronised at every lap so that a phase's time is its own."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+# schedule: which sequences run, how many tokens, who evicts; evict: copies of cached blocks
+# and the eviction surgery; prepare: the step's inputs; forward: the model and the logits of
+# the sampled rows (the device's work); sample: sampling and prompt logprobs; update: tokens
+# recorded, stops checked, blocks freed; outputs: detokenizing, stop strings, RequestOutputs.
+PHASES = ("schedule", "evict", "prepare", "forward", "sample", "update", "outputs")
+
+
+def _zeros() -> dict[str, float]:
+    return dict.fromkeys(PHASES, 0.0)
+
+
+@dataclass
+class Timings:
+    """Seconds per phase over the steps timed, by kind of step: decode (one token for every
+    sequence) or prefill (any prompt chunk, mixed steps too)."""
+    decode: dict[str, float] = field(default_factory=_zeros)
+    prefill: dict[str, float] = field(default_factory=_zeros)
+    decode_steps: int = 0
+    prefill_steps: int = 0
+
+    def host_s(self, kind: str) -> float:
+        """The engine's own time in steps of that kind: all but the forward pass, what a GPU waits for."""
+        phases = getattr(self, kind)
+        return sum(phases.values()) - phases["forward"]
+
+
+class StepClock:
+    """The laps of one step, added to timings when it ends; with timings None it does nothing."""
+
+    def __init__(self, timings: Timings | None, device: torch.device):
+        self.timings, self.device = timings, device
+        self.laps = _zeros()
+        self.last = self._now() if timings is not None else 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """The time since the last lap was spent in phase."""
+        if self.timings is not None:
+            now = self._now()
+            self.laps[phase] += now - self.last
+            self.last = now
+
+    def end(self, decode: bool) -> None:
+        if self.timings is None:
+            return
+        kind = "decode" if decode else "prefill"
+        totals = getattr(self.timings, kind)
+        for phase, seconds in self.laps.items():
+            totals[phase] += seconds
+        setattr(self.timings, f"{kind}_steps", getattr(self.timings, f"{kind}_steps") + 1)

@@ -1,0 +1,71 @@
+"""bench.py --mode host: the engine's own time per decode step, what a GPU would wait for.
+
+A tiny random model (models/shapes.py, "tiny") makes the forward pass nearly free; its
+measured time is taken out. Every method runs under its default schedule, with prefix
+caching off and on, at each batch size: prompts of --input-len random tokens and
+--output-len new tokens each, all submitted at once. Reported per decode step: the host
+time (every phase but the forward pass) and its parts, and per method the cost of one more
+sequence (the slope up to the largest batch, from one an eighth of it: 64 to 512).
+"""
+from __future__ import annotations
+
+import random
+
+from nanokv import LLM, SamplingParams
+from nanokv.engine.timing import PHASES
+from nanokv.tools.method_spec import parse_spec
+from nanokv.tools.throughput import run_context
+
+SHAPE = "tiny"
+COLUMNS = ("host", *[p for p in PHASES if p != "forward"], "forward")
+
+
+def host_run(llm: LLM, batch: int, method: str, args) -> dict:
+    """One batch run to its end; milliseconds per decode step of each phase."""
+    rng = random.Random(0)
+    vocab = llm.model_config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(batch)]
+    eviction = {} if method == "full" else dict(kv_budget=args.budgets[0], evict_every=args.evict_every)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
+                            **eviction, **parse_spec(method))
+    with llm.timing() as timings:
+        llm.generate(prompts, params)
+    steps = timings.decode_steps
+    per_step = {phase: 1e3 * seconds / steps for phase, seconds in timings.decode.items()}
+    return dict(method=method, batch=batch, decode_steps=steps, host=1e3 * timings.host_s("decode") / steps,
+                **per_step)
+
+
+def bench_host(args, save) -> list[dict]:
+    """Every method x caching x batch; prints one table and the slopes, returns the records."""
+    rows = []
+    longest = args.input_len + args.output_len
+    blocks = max(args.batches) * -(-longest // 16) + 64
+    for caching in (False, True):
+        llm = LLM(f"random:{SHAPE}", dtype="float32", num_kv_blocks=blocks, max_model_len=longest + 1,
+                  max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.batches) * args.input_len,
+                  enable_prefix_caching=caching)
+        context = run_context(args, llm)
+        host_run(llm, 4, "full", args)   # warm-up
+        for method in args.methods:
+            for batch in args.batches:
+                rows.append(dict(context, mode="host", caching=caching, input_len=args.input_len,
+                                 output_len=args.output_len, **host_run(llm, batch, method, args)))
+                save(rows[-1])
+    print(f"\nhost time per decode step (ms): random:{SHAPE}, fp32, {rows[0]['device']}; prompts of "
+          f"{args.input_len} tokens, {args.output_len} new tokens each; |kv| = {args.budgets[0]}, "
+          f"p = {args.evict_every} (evicting methods, default schedules)")
+    header = ["method", "caching", "batch", *COLUMNS]
+    print("  ".join(f"{h:>9}" for h in header))
+    for r in rows:
+        cells = [r["method"], "on" if r["caching"] else "off", str(r["batch"])] + [f"{r[c]:.3f}" for c in COLUMNS]
+        print("  ".join(f"{c:>9}" for c in cells))
+    high = max(args.batches)   # the slope from the largest batch at most an eighth of the largest
+    low = max([b for b in args.batches if b <= high // 8], default=min(args.batches))
+    if high > low:
+        print(f"\nper-sequence slope, batch {low} to {high} (us per sequence per decode step):")
+        for caching in (False, True):
+            for method in args.methods:
+                at = {r["batch"]: r["host"] for r in rows if r["method"] == method and r["caching"] == caching}
+                print(f"  {method:<14} caching {'on ' if caching else 'off'} {1e3 * (at[high] - at[low]) / (high - low):6.2f}")
+    return rows
