@@ -1,6 +1,6 @@
 """Throughput: what KV-cache eviction buys, measured on your own hardware.
 
-    python bench.py                      paper mode (Tables 1-2 of Batch-Max), defaults below
+    python bench.py                      paper mode (Tables 1-2 of Batch-Max); without a GPU, --preset cpu-small
     python bench.py --preset cpu-small   paper mode at toy sizes, on the bundled model, for a CPU
     python bench.py --mode workload      nano-vllm's workload (256 requests), with and without eviction
     python bench.py --mode sweep         methods x budgets x batches x input lengths, as JSON lines
@@ -54,7 +54,7 @@ MODE_DEFAULTS = {
     "paper": dict(input_len=3584, output_len=512, methods=["full", "ed", "batchmax"]),
     "sweep": dict(input_len=3584, output_len=512, methods=["full", "ed", "batchmax", "decode_only"]),
     "workload": dict(num_requests=256, methods=["full", "batchmax"], max_num_seqs=256, max_num_batched_tokens=16384),
-    "host": dict(input_len=100, output_len=200, budgets=[64], evict_every=32, batches=[1, 16, 64, 256, 512], threads=1,
+    "host": dict(input_len=100, output_len=200, budgets=[64], evict_every=32, batches=[1, 16, 64, 256, 512], num_threads=1,
                  methods=["full", "batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "kvcompress", "ed"]),
     "gpu-report": {},
     "prefix": dict(num_requests=8, input_len=512, output_len=16),
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-weights", metavar="SHAPE", choices=sorted(SHAPES),
                    help=f"random weights of a model shape: {', '.join(SHAPES)}")
     add_engine_flags(p, only=("dtype", "kv_cache_dtype", "kv_cache_gb", "block_size", "enforce_eager", "max_num_seqs",
-                              "max_num_batched_tokens"))
+                              "max_num_batched_tokens", "num_threads"))
     p.add_argument("--input-len", type=int)
     p.add_argument("--output-len", type=int)
     p.add_argument("--methods", nargs="+", type=spec_argument, help="methods: RANKING[@SCHEDULE][,KEY=INT...], "
@@ -85,7 +85,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "largest static batch; 0: no continuous run); workload: requests (default 256)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="sweep, host: batch sizes")
     p.add_argument("--input-lens", type=int, nargs="+", help="sweep: input lengths (default --input-len)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch")
     p.add_argument("--batch", type=int, default=8, help="hf: batch size (0: no batch table)")
     p.add_argument("--chat-lens", type=int, nargs="*", default=[100, 1000, 4000],
                    help="hf: prompt lengths of the batch-1 table (none: no table)")
@@ -97,9 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="PNG", help="tokens/s and peak KV memory against batch size")
     p.add_argument("--report", default="gpu-report.md", help="gpu-report: where the markdown report goes")
     first, _ = p.parse_known_args(argv)
-    preset = PRESETS.get(first.preset, {})
+    cpu_default = first.mode is None and first.preset is None and not torch.cuda.is_available()
+    preset = PRESETS["cpu-small" if cpu_default else first.preset] if cpu_default or first.preset else {}
     mode = first.mode or preset.get("mode", "paper")
-    p.set_defaults(**{**MODE_DEFAULTS[mode], **preset, "mode": mode})
+    p.set_defaults(**{**MODE_DEFAULTS[mode], **preset, "mode": mode, "cpu_default": cpu_default},
+                   **({"plot": "bench.png"} if cpu_default else {}))
     args = p.parse_args(argv)
     if args.kv_cache_gb is None and args.mode in ("paper", "sweep"):
         args.kv_cache_gb = 4.0 if torch.cuda.is_available() else 0.4
@@ -110,8 +111,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.cpu_default:
+        print("No GPU here: the CPU preset (--preset cpu-small: paper mode at toy sizes on the bundled model, "
+              f"under two minutes, the plot in {args.plot}). The full-size paper mode: python bench.py --mode paper "
+              "(hours on a CPU).", flush=True)
     if args.mode == "hf":
         bench_vs_hf(args)
         return []

@@ -14,7 +14,7 @@ import time
 import torch
 
 from nanokv import LLM, SamplingParams
-from nanokv.tools.flags import add_engine_flags, engine_options
+from nanokv.tools.flags import add_engine_flags, interactive_options
 
 HELP = "commands: /reset  /system TEXT  /stats  /quit"
 
@@ -83,7 +83,8 @@ class Chat:
         return (f"last reply: {s['output_tokens']} tokens in {s['seconds']:.2f}s ({rate:.1f} tokens/s), "
                 f"first token after {s['first_token_seconds']:.2f}s, prompt {s['prompt_tokens']} tokens "
                 f"({s['cached_prompt_tokens']} from the prefix cache); "
-                f"KV blocks used {s['kv_blocks']} of {engine.total_blocks} ({engine.block_size} tokens each)")
+                f"KV blocks used {s['kv_blocks']} of {engine.total_blocks} ({engine.block_size} tokens each); "
+                f"{torch.get_num_threads()} CPU threads")
 
     def handle(self, line: str) -> bool:
         """Act on one input line; False means quit."""
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
-        llm = LLM(args.model, **engine_options(args))
+        llm = LLM(args.model, **interactive_options(args))
     except (ValueError, OSError, TypeError, torch.OutOfMemoryError) as e:
         sys.exit(f"chat.py: {e}")
     interactive = sys.stdin.isatty()

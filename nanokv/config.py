@@ -35,6 +35,7 @@ class EngineConfig(EvictionSettings):
     enforce_eager: bool = False         # CUDA: no decode graphs (debugging, profiling)
     enable_prefix_caching: bool = True  # prompts that start alike share the KV blocks of their common start
     kv_cache_dtype: str = "auto"        # "auto" (the model's dtype), "int8" or "fp8" (e4m3): a quantized cache
+    num_threads: int | None = None      # CPU threads for torch's ops, for the whole process; None: torch's own
 
     def __post_init__(self):
         check_type("model", self.model, (str,), "a model directory or hub id (str)", optional=True)
@@ -56,6 +57,7 @@ class EngineConfig(EvictionSettings):
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
+        check_int("num_threads", self.num_threads, 1, optional=True)
         if self.kv_cache_dtype == "fp8" and KV_CACHE_DTYPES["fp8"] not in QUANT_MAX:
             raise ValueError(f"kv_cache_dtype='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} "
                              "lacks; use 'int8' or 'auto'")

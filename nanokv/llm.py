@@ -101,6 +101,8 @@ class LLM:
         method_for(EvictionSettings(), cfg, cfg.block_size)   # the defaults' combination, checked now
         self.device = device = engine_device(self.config.device)
         kernels.check_device(device, cfg.block_size)
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
         self.dtype = resolve_dtype(self.config.dtype, device)
         if model is not None and model.startswith(shapes.RANDOM_PREFIX):   # timing: no files, no tokenizer
             shape = model.removeprefix(shapes.RANDOM_PREFIX)

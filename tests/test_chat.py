@@ -8,6 +8,7 @@ import pytest
 
 from chat import Chat
 from nanokv import LLM, SamplingParams
+from nanokv.tools.flags import interactive_threads
 
 CHAT = Path(__file__).resolve().parent.parent / "chat.py"
 
@@ -26,6 +27,7 @@ def test_piped_conversation_and_commands(bundled_dir):
     assert result.returncode == 0, err
     assert "Paris" in out
     assert "tokens/s" in out and "KV blocks used" in out
+    assert f"; {interactive_threads()} CPU threads" in out   # all cores but one, unless told
     assert "[system prompt set; conversation cleared]" in out
     assert "byte 0xff at position 0 is not valid UTF-8" in err
     assert "[conversation cleared]" in out

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from nanokv.llm import LLM, RequestOutput
 from nanokv.serve.engine_thread import EngineError, EngineThread
 from nanokv.serve.openai_api import APIError, ParsedRequest, Responder, from_engine, parse
-from nanokv.tools.flags import add_engine_flags, engine_options
+from nanokv.tools.flags import add_engine_flags, interactive_options
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 DISCONNECT_POLL_S = 0.5   # how often a non-streaming request checks that its client is still there
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     try:
-        llm = LLM(args.model, **engine_options(args))
+        llm = LLM(args.model, **interactive_options(args))
     except (ValueError, OSError, TypeError, torch.OutOfMemoryError) as error:
         raise SystemExit(f"nanokv.serve: {error}") from None
     name = args.served_model_name or args.model or BUNDLED_MODEL_NAME

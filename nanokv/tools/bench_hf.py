@@ -90,7 +90,7 @@ def bench_vs_hf(args) -> None:
 
     path = resolve_model_path(args.model)
     # No prefix caching: HF has none, and the prompts below start alike (the same module's source).
-    llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=False)
+    llm = LLM(str(path), dtype="float32", device="cpu", enable_prefix_caching=False, num_threads=args.num_threads)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     pad = llm.tokenizer.eos_token_id or 0
     warm = stdlib_prompts(llm.tokenizer, args.batch or 1, args.input_len if args.batch else 32)

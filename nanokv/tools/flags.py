@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from nanokv.config import EngineConfig
+
+ALIASES = {"num_threads": ("--threads",)}   # shorter flags that the command lines have always taken
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
@@ -15,13 +18,13 @@ def add_engine_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | No
     for f in dataclasses.fields(EngineConfig):
         if f.name == "model" or (only is not None and f.name not in only):
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, ())]
         if f.type.startswith("bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None,
                                 help=f"engine option (default {f.default!r})")
         else:
             kind = next((types[t] for t in f.type.replace("|", " ").split() if t in types), str)
-            parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper(),
+            parser.add_argument(*flags, type=kind, default=None, metavar=f.name.upper(),
                                 help=f"engine option (default {f.default!r})")
 
 
@@ -29,3 +32,16 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The engine options a command line gave (add_engine_flags), for LLM(**options)."""
     names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
     return {name: value for name, value in vars(args).items() if name in names and value is not None}
+
+
+def interactive_options(args: argparse.Namespace) -> dict:
+    """engine_options for chat.py and the server: the CPU threads, unless given, interactive_threads()."""
+    return {"num_threads": interactive_threads(), **engine_options(args)}
+
+
+def interactive_threads() -> int:
+    """The CPU threads chat.py and the server take unless told: all cores but one. With every
+    core, one other busy program makes each op wait for the thread it displaced (on 2 cores,
+    a third of the speed); with one core left free, nothing changes (docs/PERF.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)

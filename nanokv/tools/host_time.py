@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import random
 
+from tqdm import tqdm
+
 from nanokv import LLM, SamplingParams
 from nanokv.engine.timing import PHASES
 from nanokv.tools.method_spec import parse_spec
@@ -44,14 +46,14 @@ def bench_host(args, save) -> list[dict]:
     for caching in (False, True):
         llm = LLM(f"random:{SHAPE}", dtype="float32", num_kv_blocks=blocks, max_model_len=longest + 1,
                   max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.batches) * args.input_len,
-                  enable_prefix_caching=caching)
+                  enable_prefix_caching=caching, num_threads=args.num_threads)
         context = run_context(args, llm)
         host_run(llm, 4, "full", args)   # warm-up
-        for method in args.methods:
-            for batch in args.batches:
-                rows.append(dict(context, mode="host", caching=caching, input_len=args.input_len,
-                                 output_len=args.output_len, **host_run(llm, batch, method, args)))
-                save(rows[-1])
+        runs = [(method, batch) for method in args.methods for batch in args.batches]
+        for method, batch in tqdm(runs, desc=f"host, caching {'on' if caching else 'off'}", leave=False):
+            rows.append(dict(context, mode="host", caching=caching, input_len=args.input_len,
+                             output_len=args.output_len, **host_run(llm, batch, method, args)))
+            save(rows[-1])
     print(f"\nhost time per decode step (ms): random:{SHAPE}, fp32, {rows[0]['device']}; prompts of "
           f"{args.input_len} tokens, {args.output_len} new tokens each; |kv| = {args.budgets[0]}, "
           f"p = {args.evict_every} (evicting methods, default schedules)")

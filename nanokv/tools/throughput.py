@@ -179,8 +179,8 @@ def static_search(llm, method: Method, args, context: dict, save: Callable[[dict
         run = measure(llm, same_shape(b, inp, out, method, args.evict_every, vocab), static=True)
         runs[b] = record(context, "static", method, inp, out, run)
         save(runs[b])
-        print(f"  {method.label:<22} batch {b:>4}: {'fits' if run['fits'] else 'OOM'} ({run['wall_s']:.1f} s)",
-              file=sys.stderr)
+        tqdm.write(f"  {method.label:<22} batch {b:>4}: {'fits' if run['fits'] else 'OOM'} ({run['wall_s']:.1f} s)",
+                   file=sys.stderr)
         return run["fits"]
 
     best = largest_batch(fits, args.max_batch)
@@ -196,7 +196,7 @@ def bench_paper(args, save: Callable[[dict], None]) -> list[dict]:
     context, vocab = run_context(args, llm), llm.model_config.vocab_size
     warm_up(llm, inp, args)
     records, rows = [], []
-    for method in methods:
+    for method in tqdm(methods, desc="largest static batch of each method", leave=False):
         runs, best = static_search(llm, method, args, context, save)
         oom_at = min((b for b, r in runs.items() if not r["fits"]), default=f">{args.max_batch}")
         rows.append(dict(runs.get(best, {"fits": False}), label=method.label, largest=best, oom_at=oom_at))

@@ -59,12 +59,23 @@ def test_workload_is_nano_vllms():
 def test_presets_and_mode_defaults():
     args = bench.parse_args(["--preset", "cpu-small", "--input-len", "64"])
     assert args.mode == "paper" and args.input_len == 64 and args.budgets == [128] and args.num_requests == 0
-    args = bench.parse_args([])
-    assert args.mode == "paper" and (args.input_len, args.output_len) == (3584, 512)
+    args = bench.parse_args(["--mode", "paper"])
+    assert args.mode == "paper" and (args.input_len, args.output_len) == (3584, 512) and not args.cpu_default
     assert args.methods == ["full", "ed", "batchmax"] and args.kv_cache_gb > 0
     args = bench.parse_args(["--mode", "sweep"])
     assert args.out == "bench.jsonl" and "decode_only" in args.methods
     assert bench.parse_args(["--mode", "hf"]).output_len == 128
+
+
+def test_a_bare_run_without_a_gpu_is_the_cpu_preset(monkeypatch, capsys):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    args = bench.parse_args([])
+    assert args.cpu_default and (args.mode, args.input_len, args.kv_cache_gb) == ("paper", 512, 0.052)
+    monkeypatch.setattr(bench, "bench_paper", lambda args, save: [])
+    bench.main([])
+    assert capsys.readouterr().out.startswith("No GPU here: the CPU preset (--preset cpu-small")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert not bench.parse_args([]).cpu_default and bench.parse_args([]).input_len == 3584
 
 
 def test_methods_take_a_schedule_and_settings():
@@ -89,7 +100,7 @@ TOY = ["--input-len", "48", "--output-len", "4", "--kv-cache-gb", "0.00009", "--
 
 def test_paper_mode_end_to_end(tiny_dir, tmp_path, capsys):
     out, png = tmp_path / "runs.jsonl", tmp_path / "plot.png"
-    records = bench.main(["--model", str(tiny_dir), *TOY, "--max-batch", "8", "--num-requests", "6",
+    records = bench.main(["--mode", "paper", "--model", str(tiny_dir), *TOY, "--max-batch", "8", "--num-requests", "6",
                           "--out", str(out), "--plot", str(png)])
     assert [json.loads(line) for line in out.read_text().splitlines()] == records
     static = {}
