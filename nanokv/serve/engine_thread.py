@@ -68,6 +68,10 @@ class EngineThread:
         """End a request and free its blocks (a no-op once it has finished)."""
         self._commands.put(("abort", key))
 
+    def end_all(self, why: str) -> None:
+        """End every request in flight with an EngineError that says why; the thread goes on."""
+        self._commands.put(("end all", why))
+
     # ----- the engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
@@ -81,6 +85,9 @@ class EngineThread:
                         self._fail_all("the server is shutting down")
                         self.stats = self._snapshot()
                         return
+                    if command[0] == "end all":
+                        self._fail_all(command[1])
+                        continue
                     self._apply(*command)
             except queue.Empty:
                 pass

@@ -17,6 +17,7 @@ from nanokv.sampling_params import SamplingParams
 from nanokv.tokenizer import Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+ROLES = ("system", "developer", "user", "assistant", "tool")   # the chat roles the API defines
 
 # Fields of the OpenAI API nanokv does not implement, accepted only at a value that asks
 # for nothing (None always is one); anything else is a 400 that names the field.
@@ -134,6 +135,9 @@ def _plain_message(message, index: int) -> dict:
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise bad_request(f"{where} must be an object with a string role", "messages")
+    if message["role"] not in ROLES:
+        raise bad_request(f"{where}.role {message['role']!r} is not a role of the chat API: use one of "
+                          f"{', '.join(ROLES)}", f"{where}.role")
     content = message.get("content")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)

@@ -4,8 +4,9 @@ Endpoints: POST /v1/completions and /v1/chat/completions (stream: true gives
 server-sent events), GET /v1/models, GET /health (no key needed; engine stats).
 Starlette on uvicorn; one engine thread steps the LLM for every request
 (engine_thread.py); the request and response shapes are in openai_api.py.
-uvicorn handles SIGINT/SIGTERM: it stops taking connections, lets the open
-ones finish, then the engine thread stops.
+SIGINT/SIGTERM: uvicorn stops taking connections and lets the open ones finish;
+those still running after --drain-timeout seconds end with an error; then the
+engine thread stops.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import contextlib
 import hmac
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator
 
 import torch
@@ -177,6 +179,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health)")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="on SIGINT/SIGTERM, how long requests in flight may take to finish before they end "
+                             "with an error (default 30)")
     add_engine_flags(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
@@ -187,4 +192,16 @@ def main(argv: list[str] | None = None) -> None:
     name = args.served_model_name or args.model or BUNDLED_MODEL_NAME
     app = build_app(llm, name, args.api_key)
     log.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.drain_timeout + 5))
+    handle_exit = server.handle_exit
+
+    def drain(sig, frame) -> None:   # uvicorn's signal handler, and a deadline for what is in flight
+        if not server.should_exit:
+            why = f"the server stopped: this request ran past the drain time of {args.drain_timeout} s"
+            deadline = threading.Timer(args.drain_timeout, app.state.engine.end_all, (why,))
+            deadline.daemon = True   # an early end of the drain does not wait for it
+            deadline.start()
+        handle_exit(sig, frame)
+    server.handle_exit = drain
+    server.run()

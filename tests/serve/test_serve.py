@@ -191,6 +191,8 @@ BAD_REQUESTS = [   # (endpoint, body, status, param)
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400,
      "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "hi"}]},
+     400, "messages[1].role"),
 ]
 
 
@@ -256,28 +258,104 @@ def test_a_wrong_api_key_gets_401(model_dir):
 
 
 def test_the_command_line_serves_and_stops_on_sigterm(model_dir):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    server = subprocess.Popen([sys.executable, "-m", "nanokv.serve", "--model", str(model_dir), "--port",
-                               str(port), "--num-kv-blocks", "32", "--max-model-len", "128"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              cwd=Path(__file__).resolve().parents[2])
+    server, base = start_server(model_dir, "--num-kv-blocks", "32", "--max-model-len", "128")
     try:
-        deadline = time.monotonic() + 120
-        while server.poll() is None and time.monotonic() < deadline:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            time.sleep(0.2)
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        models = httpx.get(f"{base}/v1/models").json()
         assert models["data"][0]["id"] == str(model_dir) and models["data"][0]["max_model_len"] == 128
         server.send_signal(signal.SIGTERM)
         output = server.communicate(timeout=30)[0]
     finally:
         server.kill()
     assert "engine stopped" in output and "Application shutdown complete" in output, output
+
+
+def test_every_role_of_the_api_is_taken(client):
+    """system, developer, user, assistant and tool render; the error for another names it (above)."""
+    messages = [{"role": role, "content": f"a {role} message"} for role in ("system", "developer", "user",
+                                                                              "assistant", "tool", "user")]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+    assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens >= 1
+
+
+def start_server(model_dir, *flags) -> tuple[subprocess.Popen, str]:
+    """`python -m nanokv.serve` on a free port, once /health answers; (process, base URL)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server = subprocess.Popen([sys.executable, "-m", "nanokv.serve", "--model", str(model_dir), "--port", str(port),
+                               *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=Path(__file__).resolve().parents[2])
+    deadline = time.monotonic() + 120
+    while server.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return server, f"http://127.0.0.1:{port}"
+        time.sleep(0.2)
+    server.kill()
+    raise RuntimeError(f"the server did not start:\n{server.communicate()[0]}")
+
+
+def stream_until_signal(server: subprocess.Popen, base: str, max_tokens: int) -> list[str]:
+    """Stream a completion and send the server SIGTERM after its first event; the events."""
+    events = []
+    body = {"model": MODEL, "prompt": "Drain me:", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line:
+                events.append(line)
+                if len(events) == 1:
+                    server.send_signal(signal.SIGTERM)
+    return events
+
+
+def refuses_connections(base: str, within_s: float = 10) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{base}/health", timeout=1)
+        except httpx.TransportError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_sigterm_lets_requests_in_flight_finish_and_refuses_new_ones(model_dir):
+    server, base = start_server(model_dir, "--served-model-name", MODEL, "--num-kv-blocks", "128",
+                                "--max-model-len", "512")
+    try:
+        whole = {}
+        body = {"model": MODEL, "prompt": "Finish me:", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+        plain = threading.Thread(target=lambda: whole.update(
+            response=httpx.post(f"{base}/v1/completions", json=body, timeout=60)))
+        plain.start()
+        events = stream_until_signal(server, base, 480)
+        assert refuses_connections(base)   # shutting down: no new connections
+        plain.join(60)
+        output = server.communicate(timeout=60)[0]
+    finally:
+        server.kill()
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert events[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length", output
+    assert whole["response"].status_code == 200 and whole["response"].json()["usage"]["completion_tokens"] == 480
+    assert "engine stopped" in output
+
+
+def test_requests_past_the_drain_time_end_with_an_error(model_dir):
+    server, base = start_server(model_dir, "--served-model-name", MODEL, "--num-kv-blocks", "128",
+                                "--max-model-len", "512", "--drain-timeout", "0.05")
+    try:
+        started = time.monotonic()
+        events = stream_until_signal(server, base, 480)
+        ended = time.monotonic() - started
+        output = server.communicate(timeout=60)[0]
+    finally:
+        server.kill()
+    assert events[-1] == "data: [DONE]" and ended < 30, output
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert "ran past the drain time of 0.05 s" in error["message"] and error["type"] == "server_error"
+    assert len(events) < 480   # cut short
 
 
 def test_serve_bench_drives_the_server_and_measures_it(server):
