@@ -1,10 +1,10 @@
 """The server's engine thread: one thread owns the LLM and steps it.
 
 LLM is not thread-safe, so the asyncio side never calls it. Adds and aborts go
-to the engine thread through a queue; each request's results come back to its
-own asyncio.Queue through loop.call_soon_threadsafe. Every request in flight
-takes part in every step, which is what makes concurrent clients share decode
-steps (continuous batching).
+to the engine thread through a queue; the results of a group of requests (the
+choices of one API request) come back to the group's asyncio.Queue through
+loop.call_soon_threadsafe. Every request in flight takes part in every step,
+which is what makes concurrent clients share decode steps (continuous batching).
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ class EngineError(RuntimeError):
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    results: asyncio.Queue
+    results: asyncio.Queue          # its group's: items arrive as (index, item)
+    index: int                      # the request's place in its group
     request_id: int | None = None   # the LLM's id, once added
 
 
@@ -55,18 +56,20 @@ class EngineThread:
             self._commands.put(("stop",))
             self._thread.join(timeout)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
-        """Queue a request. Returns its key (for abort) and the queue its results arrive on:
-        first the LLM's request id, or the exception add_request raised; then RequestOutputs
-        up to the finished one, or an EngineError."""
-        key = next(self._keys)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._commands.put(("add", key, prompt_ids, params, stream))
-        return key, stream.results
+    def submit(self, requests: list[tuple[list[int], SamplingParams]]) -> tuple[list[int], asyncio.Queue]:
+        """Queue a group of requests (prompt ids, params). Returns their keys (for abort) and
+        the queue their results arrive on, each as (index in the group, item): first one item
+        for the whole group, its request ids or the exception add_request raised for one of
+        them (then none runs); then each request's RequestOutputs up to its finished one, or
+        an EngineError."""
+        keys = [next(self._keys) for _ in requests]
+        loop, results = asyncio.get_running_loop(), asyncio.Queue()
+        self._commands.put(("add", keys, requests, [_Stream(loop, results, i) for i in range(len(requests))]))
+        return keys, results
 
-    def abort(self, key: int) -> None:
-        """End a request and free its blocks (a no-op once it has finished)."""
-        self._commands.put(("abort", key))
+    def abort(self, keys: list[int]) -> None:
+        """End requests and free their blocks (a no-op for those that have finished)."""
+        self._commands.put(("abort", keys))
 
     def end_all(self, why: str) -> None:
         """End every request in flight with an EngineError that says why; the thread goes on."""
@@ -87,27 +90,33 @@ class EngineThread:
                         return
                     if command[0] == "end all":
                         self._fail_all(command[1])
-                        continue
-                    self._apply(*command)
+                    else:
+                        self._apply(*command)
             except queue.Empty:
                 pass
             if self.llm.has_unfinished():
                 self._step()
             self.stats = self._snapshot()
 
-    def _apply(self, kind: str, key: int, *args) -> None:
+    def _apply(self, kind: str, *args) -> None:
         if kind == "add":
-            prompt_ids, params, stream = args
+            keys, requests, streams = args
             try:
-                stream.request_id = self.llm.add_request(prompt_ids, params)
+                for key, (prompt_ids, params), stream in zip(keys, requests, streams):
+                    stream.request_id = self.llm.add_request(prompt_ids, params)
+                    self._streams[key] = stream
+                    self._keys_by_request[stream.request_id] = key
             except Exception as error:   # a bad request changes nothing in the engine
-                self._post(stream, error)
+                for key in keys:
+                    if key in self._streams:
+                        self.llm.abort(self._forget(key).request_id)
+                self._post(streams[0], error)
                 return
-            self._streams[key] = stream
-            self._keys_by_request[stream.request_id] = key
-            self._post(stream, stream.request_id)
-        elif kind == "abort" and key in self._streams:
-            self.llm.abort(self._forget(key).request_id)
+            self._post(streams[0], [stream.request_id for stream in streams])
+        elif kind == "abort":
+            for key in args[0]:
+                if key in self._streams:
+                    self.llm.abort(self._forget(key).request_id)
 
     def _step(self) -> None:
         try:
@@ -139,7 +148,7 @@ class EngineThread:
     @staticmethod
     def _post(stream: _Stream, item) -> None:
         try:
-            stream.loop.call_soon_threadsafe(stream.results.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.results.put_nowait, (stream.index, item))
         except RuntimeError:   # its event loop has closed: nobody is waiting
             pass
 

@@ -17,17 +17,19 @@ from nanokv.sampling_params import SamplingParams
 from nanokv.tokenizer import Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+MAX_N = 128          # choices per prompt, as OpenAI allows
+MAX_REQUESTS = 512   # engine requests one API request may make: prompts x choices
 ROLES = ("system", "developer", "user", "assistant", "tool")   # the chat roles the API defines
 
 # Fields of the OpenAI API nanokv does not implement, accepted only at a value that asks
 # for nothing (None always is one); anything else is a 400 that names the field.
 NEUTRAL_VALUES = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,),
+    "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,),
     "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
     "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
 }
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")   # OpenAI's, same name in SamplingParams
-COMMON_FIELDS = {"model", "stream", "stream_options", "user", *SAMPLING_FIELDS, *NEUTRAL_VALUES}
+COMMON_FIELDS = {"model", "stream", "stream_options", "user", "n", *SAMPLING_FIELDS, *NEUTRAL_VALUES}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "parallel_tool_calls"}
 # SamplingParams fields whose output the API has no place for.
@@ -64,8 +66,8 @@ def from_engine(error: Exception, fields: list[str]) -> APIError:
 
 @dataclass
 class ParsedRequest:
-    prompt_ids: list[int]
-    params: SamplingParams
+    requests: list[tuple[list[int], SamplingParams]]   # the engine's, one per choice: prompt i's n at i*n..
+    n: int                                               # choices per prompt
     stream: bool
     include_usage: bool   # stream_options.include_usage: a last chunk with the usage
 
@@ -76,19 +78,36 @@ def parse(body, chat: bool, tokenizer: Tokenizer | None, max_model_len: int) -> 
         raise bad_request("the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     if chat:
-        prompt_ids = _chat_prompt(body.get("messages"), tokenizer)
+        prompts = [_chat_prompt(body.get("messages"), tokenizer)]
     else:
-        prompt_ids = _completion_prompt(body.get("prompt"), tokenizer)
-    if len(prompt_ids) >= max_model_len:
-        raise bad_request(f"the prompt has {len(prompt_ids)} tokens; this model's context is "
-                          f"{max_model_len} tokens (prompt + output)", "messages" if chat else "prompt")
-    params = _sampling_params(body, chat, max_model_len - len(prompt_ids))
+        prompts = _completion_prompts(body.get("prompt"), tokenizer)
+    for i, ids in enumerate(prompts):
+        if len(ids) >= max_model_len:
+            where = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise bad_request(f"{where} has {len(ids)} tokens; this model's context is {max_model_len} tokens "
+                              "(prompt + output)", "messages" if chat else "prompt")
+    n = 1 if body.get("n") is None else body["n"]
+    if type(n) is not int or not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
+    if len(prompts) * n > MAX_REQUESTS:
+        raise bad_request(f"{len(prompts)} prompts x n={n} choices is more than {MAX_REQUESTS} at once",
+                          "n" if n > 1 else "prompt")
+    params = _sampling_params(body, chat, max_model_len - max(map(len, prompts)))
     stream, options = body.get("stream") or False, body.get("stream_options") or {}
     if not isinstance(stream, bool):
         raise bad_request(f"stream must be true or false, got {stream!r}", "stream")
     if not isinstance(options, dict):
         raise bad_request(f"stream_options must be an object, got {options!r}", "stream_options")
-    return ParsedRequest(prompt_ids, params, stream, bool(options.get("include_usage")))
+    requests = [(ids, _choice(params, j, n)) for ids in prompts for j in range(n)]
+    return ParsedRequest(requests, n, stream, bool(options.get("include_usage")))
+
+
+def _choice(params: SamplingParams, j: int, n: int) -> SamplingParams:
+    """The params of a prompt's j-th choice: with a seed and n > 1, its own seed (seed + j),
+    so that sampled choices differ and each can be reproduced."""
+    if params.seed is None or n == 1:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + j) % 2**64)
 
 
 def _check_fields(body: dict, allowed: set[str]) -> None:
@@ -103,17 +122,24 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
                               f"(supported: {' or '.join(map(repr, NEUTRAL_VALUES[name]))})", name)
 
 
-def _completion_prompt(prompt, tokenizer: Tokenizer | None) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]   # a batch of one
+def _completion_prompts(prompt, tokenizer: Tokenizer | None) -> list[list[int]]:
+    """The prompts as token ids: a string, a list of token ids, or a list of either."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of either", "prompt")
+    return [_completion_prompt(p, f"prompt[{i}]" if len(prompt) > 1 else "prompt", tokenizer)
+            for i, p in enumerate(prompt)]
+
+
+def _completion_prompt(prompt, where: str, tokenizer: Tokenizer | None) -> list[int]:
     if isinstance(prompt, str) and prompt:
         if tokenizer is None:
             raise bad_request("this model has no tokenizer: give the prompt as token ids", "prompt")
         return tokenizer.encode(prompt)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return prompt   # the engine checks them against the vocabulary
-    raise bad_request("prompt must be a non-empty string or list of token ids (one prompt per request)",
-                      "prompt")
+    raise bad_request(f"{where} must be a non-empty string or list of token ids", "prompt")
 
 
 def _chat_prompt(messages, tokenizer: Tokenizer | None) -> list[int]:
@@ -169,17 +195,19 @@ def _sampling_params(body: dict, chat: bool, room: int) -> SamplingParams:
 
 # ----- responses --------------------------------------------------------------------------
 
-def usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: list[RequestOutput], n: int) -> dict:
+    """Tokens of the whole request: each prompt once (its n choices share it), every choice's output."""
+    firsts = outs[::n]
+    prompt, completion = sum(len(o.prompt_token_ids) for o in firsts), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}}
 
 
 class Responder:
-    """The JSON of one request's response: whole, or as stream chunks."""
+    """The JSON of one request's response: whole, or as stream chunks, a choice each."""
 
-    def __init__(self, chat: bool, model: str):
-        self.chat, self.model = chat, model
+    def __init__(self, chat: bool, model: str, n: int = 1):
+        self.chat, self.model, self.n = chat, model, n
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -187,18 +215,21 @@ class Responder:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def whole(self, out: RequestOutput) -> dict:
-        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
-        else:
-            choice["text"] = out.text
-        return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
-                              usage=usage(out))
+    def whole(self, outs: list[RequestOutput]) -> dict:
+        choices = []
+        for index, out in enumerate(outs):
+            choice = {"index": index, "logprobs": None, "finish_reason": out.finish_reason}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": out.text}
+            else:
+                choice["text"] = out.text
+            choices.append(choice)
+        return self._envelope("chat.completion" if self.chat else "text_completion", choices,
+                              usage=usage(outs, self.n))
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
+    def chunk(self, index: int, text: str, finish_reason: str | None = None, first: bool = False,
               include_usage: bool = False) -> dict:
-        choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "logprobs": None, "finish_reason": finish_reason}
         if self.chat:
             choice["delta"] = {"role": "assistant", "content": text} if first else \
                 ({"content": text} if text else {})
@@ -207,6 +238,6 @@ class Responder:
         extra = {"usage": None} if include_usage else {}
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 
-    def usage_chunk(self, out: RequestOutput) -> dict:
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
-                              usage=usage(out))
+                              usage=usage(outs, self.n))

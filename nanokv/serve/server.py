@@ -76,67 +76,73 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> Starlett
             raise APIError(404, f"The model {body['model']!r} does not exist; this server serves "
                            f"{model_name!r}", "model", code="model_not_found")
         parsed = parse(body, chat, llm.tokenizer, llm.config.max_model_len)
-        key, results = engine.submit(parsed.prompt_ids, parsed.params)
+        keys, results = engine.submit(parsed.requests)
         try:
-            accepted = await results.get()
+            _, accepted = await results.get()
         except asyncio.CancelledError:
-            engine.abort(key)
+            engine.abort(keys)
             raise
         if isinstance(accepted, Exception):
             raise from_engine(accepted, list(body))
-        responder = Responder(chat, model_name)
+        responder = Responder(chat, model_name, parsed.n)
         if parsed.stream:
-            return StreamingResponse(stream_events(key, results, parsed, responder),
+            return StreamingResponse(stream_events(keys, results, parsed, responder),
                                      media_type="text/event-stream")
         try:
-            out = await last_output(request, results)
-        except (ClientGone, asyncio.CancelledError):
-            engine.abort(key)
+            outs = await last_outputs(request, results, len(keys))
+        except (ClientGone, APIError, asyncio.CancelledError):
+            engine.abort(keys)
             raise
-        return JSONResponse(responder.whole(out))
+        return JSONResponse(responder.whole(outs))
 
-    async def last_output(request: Request, results: asyncio.Queue) -> RequestOutput:
-        """The finished output; every DISCONNECT_POLL_S, a check that the client is still there."""
-        async def finished() -> RequestOutput:
-            while True:
-                out = await results.get()
+    async def last_outputs(request: Request, results: asyncio.Queue, count: int) -> list[RequestOutput]:
+        """Each request's finished output, in order; every DISCONNECT_POLL_S, a check that the
+        client is still there."""
+        outs: dict[int, RequestOutput] = {}
+        clock = asyncio.get_running_loop().time
+        check_at = clock() + DISCONNECT_POLL_S
+        while len(outs) < count:
+            with contextlib.suppress(TimeoutError):
+                index, out = await asyncio.wait_for(results.get(), max(check_at - clock(), 0))
                 failed(out)
                 if out.finished:
-                    return out
-        while True:
-            try:
-                return await asyncio.wait_for(finished(), DISCONNECT_POLL_S)
-            except TimeoutError:
+                    outs[index] = out
+            if clock() >= check_at:
                 if await request.is_disconnected():
-                    raise ClientGone from None
+                    raise ClientGone
+                check_at = clock() + DISCONNECT_POLL_S
+        return [outs[i] for i in range(count)]
 
-    async def stream_events(key: int, results: asyncio.Queue, parsed: ParsedRequest,
+    async def stream_events(keys: list[int], results: asyncio.Queue, parsed: ParsedRequest,
                             responder: Responder) -> AsyncIterator[str]:
-        """The SSE stream; Starlette cancels it when the client disconnects: then abort."""
+        """The SSE stream, the choices' chunks as they come; Starlette cancels it when the client
+        disconnects: then abort."""
         def event(data: dict) -> str:
             return f"data: {json.dumps(data)}\n\n"
-        finished = False
+        outs: dict[int, RequestOutput] = {}
         try:
             if responder.chat:   # the role comes first, as OpenAI sends it
-                yield event(responder.chunk("", first=True, include_usage=parsed.include_usage))
-            while not finished:
-                out = await results.get()
+                for index in range(len(keys)):
+                    yield event(responder.chunk(index, "", first=True, include_usage=parsed.include_usage))
+            while len(outs) < len(keys):
+                index, out = await results.get()
                 try:
                     failed(out)
                 except APIError as error:
-                    finished = True
                     yield event(error.body())
                     break
-                finished = out.finished
-                if out.new_text or finished:
-                    yield event(responder.chunk(out.new_text, out.finish_reason if finished else None,
+                if out.finished:
+                    outs[index] = out
+                if out.new_text or out.finished:
+                    yield event(responder.chunk(index, out.new_text, out.finish_reason if out.finished else None,
                                                 include_usage=parsed.include_usage))
-                if finished and parsed.include_usage:
-                    yield event(responder.usage_chunk(out))
+            else:
+                if parsed.include_usage:
+                    yield event(responder.usage_chunk([outs[i] for i in range(len(keys))]))
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:
-                engine.abort(key)
+            if len(outs) < len(keys):
+                engine.abort(keys)
 
     def failed(out) -> None:
         """Raise the APIError of an engine failure or a request that ended with "error"."""

@@ -122,6 +122,58 @@ def test_completions_and_chat_match_generate(client, reference):
     assert [m.id for m in client.models.list()] == [MODEL]
 
 
+def test_several_prompts_and_choices(client, reference):
+    """A list of prompts (strings, or token ids) and n choices each: one choice per prompt and
+    draw, indexed in order; greedy choices equal generate's, seeded ones a seed each."""
+    prompts = ["Once upon", "The sea is", "A list of prompts"]
+    expected = [o.text for o in reference.generate(prompts, greedy(8))]
+    whole = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == [e for e in expected for _ in range(2)]
+    lengths = [len(reference.tokenizer.encode(p)) for p in prompts]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (sum(lengths), 6 * 8)
+    ids = [reference.tokenizer.encode(p) for p in prompts]
+    as_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert [c.text for c in as_ids.choices] == expected
+
+    sampled = client.completions.create(model=MODEL, prompt=prompts[0], n=3, max_tokens=8, temperature=1.0,
+                                        seed=11, extra_body={"ignore_eos": True})
+    texts = [c.text for c in sampled.choices]
+    seeded = [reference.generate(prompts[0], SamplingParams(temperature=1.0, seed=11 + j, max_tokens=8,
+                                                            ignore_eos=True))[0].text for j in range(3)]
+    assert texts == seeded and len(set(texts)) > 1
+
+    messages = [{"role": "user", "content": "Two replies, please."}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, n=2, max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert [c.index for c in reply.choices] == [0, 1] and reply.choices[0].message.content == \
+        reply.choices[1].message.content and reply.usage.completion_tokens == 12
+
+
+def test_choices_stream_interleaved_by_index(server, reference):
+    base, _ = server
+    prompts = ["First prompt", "Second"]
+    expected = [o.text for o in reference.generate(prompts, greedy(10))]
+    body = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    texts, finished, indexes = ["", "", "", ""], set(), []
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        indexes.append(choice["index"])
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finished.add(choice["index"])
+    assert texts == [e for e in expected for _ in range(2)] and finished == {0, 1, 2, 3}
+    assert indexes != sorted(indexes)   # the choices' chunks come as they are made, not one choice after another
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 40
+
+
 def test_32_concurrent_streams_share_steps_and_match_solo_outputs(server, reference):
     base, app = server
     solo = [reference.generate(p, greedy(16))[0].text for p in PROMPTS]
@@ -170,7 +222,9 @@ BAD_REQUESTS = [   # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "kv_no_such_field": 1}, 400, "kv_no_such_field"),
     ("completions", {"prompt": "hi", "return_kept_positions": True}, 400, "return_kept_positions"),
     ("completions", {"prompt": ""}, 400, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("completions", {"prompt": ["a", 3]}, 400, "prompt"),
+    ("completions", {"prompt": ["a", ""]}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
     ("completions", {"prompt": "x" * 300}, 400, "prompt"),
     ("completions", {"prompt": [1, 2, 99999]}, 400, "prompt"),
     ("completions", {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens"),
@@ -180,7 +234,9 @@ BAD_REQUESTS = [   # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "top_k": "many"}, 400, "top_k"),
     ("completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
     ("completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
-    ("completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "hi", "n": 129}, 400, "n"),
+    ("completions", {"prompt": ["hi"] * 5, "n": 128}, 400, "n"),
     ("completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
     ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("completions", {"prompt": "hi", "kv_method": "magic"}, 400, "kv_method"),
