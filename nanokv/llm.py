@@ -29,7 +29,7 @@ from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.sampler import FAILED
 from nanokv.engine.scheduler import Scheduler
-from nanokv.engine.sequence import PromptLogprob, Sequence
+from nanokv.engine.sequence import Sequence, TokenLogprob
 from nanokv.engine.timing import StepClock, Timings
 from nanokv.eviction import EvictionSettings, KVMethod, method_for
 from nanokv.sampling_params import SamplingParams
@@ -50,7 +50,8 @@ class RequestOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None   # "stop" (EOS, stop token or string), "length", "abort" or "error"
-    prompt_logprobs: list[PromptLogprob | None] | None = None   # with SamplingParams(prompt_logprobs=True)
+    prompt_logprobs: list[TokenLogprob | None] | None = None    # with SamplingParams(prompt_logprobs=True)
+    logprobs: list[TokenLogprob] | None = None   # token_ids', with SamplingParams(logprobs=k)
     kept_positions: torch.Tensor | None = None   # [layers, kv_heads, n], with return_kept_positions, at the end
     #                                               (an uneven method's shorter heads padded with -1)
     error: str | None = None    # with finish_reason "error": what went wrong with this request
@@ -78,6 +79,10 @@ class _Request:
     detokenizer: IncrementalDetokenizer | None   # None without a tokenizer: token ids only
     text: str = ""      # output text, cut at a stop string
     streamed: int = 0   # characters of `text` already handed out
+
+
+def _copy(items: list | None) -> list | None:
+    return None if items is None else list(items)
 
 
 def engine_device(name: str | torch.device | None) -> torch.device:
@@ -193,7 +198,8 @@ class LLM:
             generator = torch.Generator(self.runner.device).manual_seed(params.seed)
         seq = Sequence(request_id, ids, params, method=method, generator=generator,
                        max_slots=min(len(ids) + params.max_tokens, self.config.max_model_len) - 1,
-                       prompt_logprobs=[None] * len(ids) if params.prompt_logprobs else None)
+                       prompt_logprobs=[None] * len(ids) if params.prompt_logprobs else None,
+                       logprobs=[] if params.logprobs is not None else None)
         self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
                                              self.tokenizer and IncrementalDetokenizer(self.tokenizer, ids))
         self.scheduler.add(seq)
@@ -287,8 +293,9 @@ class LLM:
         return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids,
                              request.text[:request.streamed], list(seq.output_token_ids), "",
                              [] if token is None else [token], True, "error",
-                             prompt_logprobs=seq.prompt_logprobs, kept_positions=seq.kept_positions,
-                             error=f"{type(error).__name__}: {error}", num_cached_tokens=seq.num_cached_tokens)
+                             prompt_logprobs=seq.prompt_logprobs, logprobs=_copy(seq.logprobs),
+                             kept_positions=seq.kept_positions, error=f"{type(error).__name__}: {error}",
+                             num_cached_tokens=seq.num_cached_tokens)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.params.return_kept_positions:   # read before the blocks go back to the pool
@@ -321,7 +328,7 @@ class LLM:
         return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids,
                              request.text[:upto], list(seq.output_token_ids), new_text, [token],
                              seq.is_finished, seq.finish_reason,
-                             prompt_logprobs=seq.prompt_logprobs if seq.is_finished else None,
+                             prompt_logprobs=seq.prompt_logprobs, logprobs=_copy(seq.logprobs),
                              kept_positions=seq.kept_positions, num_cached_tokens=seq.num_cached_tokens)
 
     def generate(self, prompts: Prompt | list[Prompt],

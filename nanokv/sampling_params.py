@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from nanokv.checks import SEED_RANGE, check_bool, check_float, check_int, check_token_ids
 from nanokv.eviction import EvictionSettings
 
+MAX_LOGPROBS = 20   # the most alternatives a token's log-probability comes with, as OpenAI allows
+
 
 @dataclass
 class SamplingParams(EvictionSettings):
@@ -20,7 +22,8 @@ class SamplingParams(EvictionSettings):
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings, not included in the text
     return_kept_positions: bool = False  # output: positions each (layer, KV head) kept at the end
-    prompt_logprobs: bool = False       # output: log-probability of every prompt token
+    logprobs: int | None = None         # output: each output token's log-probability, and the k most likely
+    prompt_logprobs: bool = False       # output: every prompt token's (with logprobs=k, its k most likely too)
 
     def __post_init__(self):
         self.check()
@@ -43,4 +46,5 @@ class SamplingParams(EvictionSettings):
             raise ValueError(f"stop strings must be non-empty, got {self.stop!r}")
         self.check_eviction_settings()
         check_bool("return_kept_positions", self.return_kept_positions)
+        check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
         check_bool("prompt_logprobs", self.prompt_logprobs)

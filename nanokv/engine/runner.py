@@ -19,9 +19,9 @@ from models import AttentionMetadata, Decoder, KVCache
 from nanokv.config import EngineConfig
 from nanokv.engine import evict, memory
 from nanokv.engine.cuda_graphs import DecodeGraphs
-from nanokv.engine.sampler import Sampler
+from nanokv.engine.sampler import FAILED, Sampler, token_logprobs
 from nanokv.engine.scheduler import ScheduledBatch
-from nanokv.engine.sequence import PromptLogprob, Sequence
+from nanokv.engine.sequence import Sequence
 from nanokv.engine.timing import StepClock
 from nanokv.eviction import AverageAttention, KVMethod
 from nanokv.sampling_params import SamplingParams
@@ -211,8 +211,9 @@ class ModelRunner:
             sampled = {}
             if logits is not None:
                 seqs = step.sampled_seqs
-                tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-                sampled = dict(zip((s.seq_id for s in seqs), tokens.tolist()))
+                tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+                self._record_logprobs(logits, tokens, seqs)
+                sampled = dict(zip((s.seq_id for s in seqs), tokens))
             clock.lap("sample")
             return sampled
 
@@ -221,15 +222,23 @@ class ModelRunner:
         with on_device(self.device):
             return self.evictor.kept_positions(seq)
 
+    @staticmethod
+    def _record_logprobs(logits: torch.Tensor, tokens: list[int], seqs: list[Sequence]) -> None:
+        """The sampled tokens' log-probabilities, for the sequences that asked (a row that
+        could not be sampled gets none: its request ends with an error)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.logprobs is not None and tokens[i] != FAILED]
+        if rows:
+            found = token_logprobs(logits[rows], [tokens[i] for i in rows], [seqs[i].params.logprobs for i in rows])
+            for i, logprob in zip(rows, found):
+                seqs[i].logprobs.append(logprob)
+
     def _record_prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> None:
         """Score each prompt token by the logits of the row before it, a slice at a time
         (a full [rows, vocab] matrix for a long chunk would be large)."""
         for at in range(0, len(step.logprob_rows), LOGPROB_SLICE):
-            rows = step.logprob_rows[at:at + LOGPROB_SLICE]
             targets = step.logprob_targets[at:at + LOGPROB_SLICE]
-            logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
-            token_ids = torch.tensor([seq.prompt_token_ids[i] for seq, i in targets], device=self.device)
-            chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
-            top_logprob, top_token = logprobs.max(dim=-1)
-            for (seq, i), lp, tok, tlp in zip(targets, chosen, top_token.tolist(), top_logprob.tolist()):
-                seq.prompt_logprobs[i] = PromptLogprob(lp, tok, tlp)
+            logits = self.model.compute_logits(hidden[step.logprob_rows[at:at + LOGPROB_SLICE]])
+            found = token_logprobs(logits, [seq.prompt_token_ids[i] for seq, i in targets],
+                                   [seq.params.logprobs or 0 for seq, _ in targets])
+            for (seq, i), logprob in zip(targets, found):
+                seq.prompt_logprobs[i] = logprob

@@ -1,8 +1,10 @@
-"""The batched sampler: one token per row of logits, every row with its own parameters."""
+"""The batched sampler: one token per row of logits, every row with its own parameters;
+and the log-probabilities of given tokens under rows of logits."""
 from __future__ import annotations
 
 import torch
 
+from nanokv.engine.sequence import TokenLogprob
 from nanokv.sampling_params import SamplingParams
 
 FAILED = -1   # the token of a row that could not be sampled (its error is in Sampler.errors)
@@ -80,3 +82,13 @@ class Sampler:
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop = (rank[None] >= top_k[:, None]) | (mass_before >= top_p[:, None])
         return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[TokenLogprob]:
+    """Each row's log-probability of its token, with the row's num_top most likely tokens:
+    log_softmax of the raw logits, before temperature and truncation (as OpenAI reports them)."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
+    top_logprobs, top_tokens = (t.tolist() for t in logprobs.topk(max(max(num_top), 1), dim=-1))
+    return [TokenLogprob(token, logprob, tops[0], top_lps[0], list(zip(tops[:k], top_lps[:k])))
+            for token, logprob, tops, top_lps, k in zip(tokens, chosen, top_tokens, top_logprobs, num_top)]

@@ -11,11 +11,15 @@ from nanokv.sampling_params import SamplingParams
 
 
 @dataclass
-class PromptLogprob:
-    """What the model predicted at one prompt position, under the request's eviction."""
-    logprob: float       # log-probability of the prompt's actual token
+class TokenLogprob:
+    """What the model predicted where it read a prompt token or sampled an output token,
+    under the request's eviction: log_softmax of its logits (before temperature)."""
+    token: int           # the token there
+    logprob: float       # its log-probability
     top_token: int       # the most likely token
     top_logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)   # SamplingParams(logprobs=k): the k most
+    #                                                                likely (token, logprob), most likely first
 
 
 @dataclass
@@ -48,7 +52,8 @@ class Sequence:
     num_kv_slots: int = 0              # KV pairs it holds per head; below num_computed_tokens once it evicts
     finish_reason: str | None = None   # "length", "stop", "abort" or "error"
     generator: torch.Generator | None = None  # the request's own, when it has a seed
-    prompt_logprobs: list[PromptLogprob | None] | None = None   # when asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None    # when asked for (None at position 0)
+    logprobs: list[TokenLogprob] | None = None                   # the output tokens', when asked for
     kept_positions: torch.Tensor | None = None                  # when asked for, at the end
     num_cached_tokens: int = 0         # prompt tokens taken from the prefix cache at its last admission
     prefix_serials: list[int] = field(default_factory=list)    # prefix-cache entries of its full blocks

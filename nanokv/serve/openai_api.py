@@ -1,19 +1,15 @@
-"""The OpenAI API's shapes: request bodies in (checked), responses, stream chunks and errors out.
-
-Nothing here touches the engine: a request becomes prompt token ids and a
-SamplingParams, and RequestOutputs become JSON.
+"""The OpenAI API's requests: a body in, checked, becomes the engine's requests (prompt token
+ids and a SamplingParams each); errors out in the API's format. Nothing here touches the
+engine; responses.py turns its outputs into JSON.
 """
 from __future__ import annotations
 
 import dataclasses
-import time
-import uuid
 from dataclasses import dataclass
 
 import jinja2
 
-from nanokv.llm import RequestOutput
-from nanokv.sampling_params import SamplingParams
+from nanokv.sampling_params import MAX_LOGPROBS, SamplingParams
 from nanokv.tokenizer import Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -24,19 +20,19 @@ ROLES = ("system", "developer", "user", "assistant", "tool")   # the chat roles 
 # Fields of the OpenAI API nanokv does not implement, accepted only at a value that asks
 # for nothing (None always is one); anything else is a 400 that names the field.
 NEUTRAL_VALUES = {
-    "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (False,),
-    "top_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "best_of": (1,), "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
     "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
 }
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")   # OpenAI's, same name in SamplingParams
 COMMON_FIELDS = {"model", "stream", "stream_options", "user", "n", *SAMPLING_FIELDS, *NEUTRAL_VALUES}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "parallel_tool_calls"}
-# SamplingParams fields whose output the API has no place for.
-NOT_SERVED = {"return_kept_positions", "prompt_logprobs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "parallel_tool_calls", "logprobs", "top_logprobs"}
+# SamplingParams fields a client does not pass by name: the API has no place for their output
+# (kept positions), or its own fields set them (logprobs, top_logprobs and echo).
+NOT_BY_NAME = {"return_kept_positions", "prompt_logprobs", "logprobs"}
 # Every other SamplingParams field is a nanokv extension, passed through by name (top_k,
 # ignore_eos, stop_token_ids, kv_method, kv_budget, evict_every, and whatever is added).
-EXTENSIONS = {f.name for f in dataclasses.fields(SamplingParams)} - set(SAMPLING_FIELDS) - NOT_SERVED
+EXTENSIONS = {f.name for f in dataclasses.fields(SamplingParams)} - set(SAMPLING_FIELDS) - NOT_BY_NAME
 
 
 class APIError(Exception):
@@ -69,7 +65,10 @@ class ParsedRequest:
     requests: list[tuple[list[int], SamplingParams]]   # the engine's, one per choice: prompt i's n at i*n..
     n: int                                               # choices per prompt
     stream: bool
-    include_usage: bool   # stream_options.include_usage: a last chunk with the usage
+    include_usage: bool         # stream_options.include_usage: a last chunk with the usage
+    logprobs: int | None = None  # each token's log-probability, with this many alternatives
+    echo: bool = False          # completions: the prompt comes first in the text (and the logprobs)
+    prompt_only: bool = False   # echo with max_tokens 0: the one token the engine ran is not shown
 
 
 def parse(body, chat: bool, tokenizer: Tokenizer | None, max_model_len: int) -> ParsedRequest:
@@ -92,14 +91,37 @@ def parse(body, chat: bool, tokenizer: Tokenizer | None, max_model_len: int) -> 
     if len(prompts) * n > MAX_REQUESTS:
         raise bad_request(f"{len(prompts)} prompts x n={n} choices is more than {MAX_REQUESTS} at once",
                           "n" if n > 1 else "prompt")
-    params = _sampling_params(body, chat, max_model_len - max(map(len, prompts)))
+    logprobs, echo = _asked_logprobs(body, chat), body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise bad_request(f"echo must be true or false, got {echo!r}", "echo")
+    prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+    params = _sampling_params({**body, "max_tokens": 1} if prompt_only else body, chat,
+                              max_model_len - max(map(len, prompts)),
+                              logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
     stream, options = body.get("stream") or False, body.get("stream_options") or {}
     if not isinstance(stream, bool):
         raise bad_request(f"stream must be true or false, got {stream!r}", "stream")
     if not isinstance(options, dict):
         raise bad_request(f"stream_options must be an object, got {options!r}", "stream_options")
     requests = [(ids, _choice(params, j, n)) for ids in prompts for j in range(n)]
-    return ParsedRequest(requests, n, stream, bool(options.get("include_usage")))
+    return ParsedRequest(requests, n, stream, bool(options.get("include_usage")), logprobs, echo, prompt_only)
+
+
+def _asked_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's log-probability comes with, None for no logprobs:
+    completions' logprobs=k; chat's logprobs=true with top_logprobs=k."""
+    name = "top_logprobs" if chat else "logprobs"
+    k = body.get(name)
+    if k is not None and (type(k) is not int or not 0 <= k <= MAX_LOGPROBS):
+        raise bad_request(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}", name)
+    if not chat:
+        return k
+    asked = body.get("logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise bad_request(f"logprobs must be true or false, got {asked!r}", "logprobs")
+    if k and not asked:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    return (k or 0) if asked else None
 
 
 def _choice(params: SamplingParams, j: int, n: int) -> SamplingParams:
@@ -177,8 +199,9 @@ def _plain_message(message, index: int) -> dict:
     return {"role": message["role"], "content": content}
 
 
-def _sampling_params(body: dict, chat: bool, room: int) -> SamplingParams:
-    """SamplingParams from the body; its own checks name a bad field (-> 400)."""
+def _sampling_params(body: dict, chat: bool, room: int, **outputs) -> SamplingParams:
+    """SamplingParams from the body, with the outputs the API's own fields ask for; its own
+    checks name a bad field (-> 400)."""
     fields = {name: body[name] for name in (*SAMPLING_FIELDS, *EXTENSIONS) if body.get(name) is not None}
     if chat and body.get("max_completion_tokens") is not None:   # the newer name of max_tokens
         fields["max_tokens"] = body["max_completion_tokens"]
@@ -188,56 +211,6 @@ def _sampling_params(body: dict, chat: bool, room: int) -> SamplingParams:
                           "in this model's context", "max_tokens")
     fields.setdefault("max_tokens", room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room))
     try:
-        return SamplingParams(**fields)
+        return SamplingParams(**fields, **outputs)
     except (TypeError, ValueError) as error:
         raise from_engine(error, list(fields)) from None
-
-
-# ----- responses --------------------------------------------------------------------------
-
-def usage(outs: list[RequestOutput], n: int) -> dict:
-    """Tokens of the whole request: each prompt once (its n choices share it), every choice's output."""
-    firsts = outs[::n]
-    prompt, completion = sum(len(o.prompt_token_ids) for o in firsts), sum(len(o.token_ids) for o in outs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}}
-
-
-class Responder:
-    """The JSON of one request's response: whole, or as stream chunks, a choice each."""
-
-    def __init__(self, chat: bool, model: str, n: int = 1):
-        self.chat, self.model, self.n = chat, model, n
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _envelope(self, kind: str, choices: list, **extra) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
-
-    def whole(self, outs: list[RequestOutput]) -> dict:
-        choices = []
-        for index, out in enumerate(outs):
-            choice = {"index": index, "logprobs": None, "finish_reason": out.finish_reason}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": out.text}
-            else:
-                choice["text"] = out.text
-            choices.append(choice)
-        return self._envelope("chat.completion" if self.chat else "text_completion", choices,
-                              usage=usage(outs, self.n))
-
-    def chunk(self, index: int, text: str, finish_reason: str | None = None, first: bool = False,
-              include_usage: bool = False) -> dict:
-        choice = {"index": index, "logprobs": None, "finish_reason": finish_reason}
-        if self.chat:
-            choice["delta"] = {"role": "assistant", "content": text} if first else \
-                ({"content": text} if text else {})
-        else:
-            choice["text"] = text
-        extra = {"usage": None} if include_usage else {}
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
-
-    def usage_chunk(self, outs: list[RequestOutput]) -> dict:
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
-                              usage=usage(outs, self.n))

@@ -3,7 +3,7 @@
 Endpoints: POST /v1/completions and /v1/chat/completions (stream: true gives
 server-sent events), GET /v1/models, GET /health (no key needed; engine stats).
 Starlette on uvicorn; one engine thread steps the LLM for every request
-(engine_thread.py); the request and response shapes are in openai_api.py.
+(engine_thread.py); requests are checked in openai_api.py, responses built in responses.py.
 SIGINT/SIGTERM: uvicorn stops taking connections and lets the open ones finish;
 those still running after --drain-timeout seconds end with an error; then the
 engine thread stops.
@@ -28,7 +28,8 @@ from starlette.routing import Route
 
 from nanokv.llm import LLM, RequestOutput
 from nanokv.serve.engine_thread import EngineError, EngineThread
-from nanokv.serve.openai_api import APIError, ParsedRequest, Responder, from_engine, parse
+from nanokv.serve.openai_api import APIError, ParsedRequest, from_engine, parse
+from nanokv.serve.responses import Responder
 from nanokv.tools.flags import add_engine_flags, interactive_options
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -84,7 +85,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> Starlett
             raise
         if isinstance(accepted, Exception):
             raise from_engine(accepted, list(body))
-        responder = Responder(chat, model_name, parsed.n)
+        responder = Responder(chat, model_name, parsed, llm.tokenizer)
         if parsed.stream:
             return StreamingResponse(stream_events(keys, results, parsed, responder),
                                      media_type="text/event-stream")
@@ -123,7 +124,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> Starlett
         try:
             if responder.chat:   # the role comes first, as OpenAI sends it
                 for index in range(len(keys)):
-                    yield event(responder.chunk(index, "", first=True, include_usage=parsed.include_usage))
+                    yield event(responder.role_chunk(index))
             while len(outs) < len(keys):
                 index, out = await results.get()
                 try:
@@ -133,9 +134,9 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> Starlett
                     break
                 if out.finished:
                     outs[index] = out
-                if out.new_text or out.finished:
-                    yield event(responder.chunk(index, out.new_text, out.finish_reason if out.finished else None,
-                                                include_usage=parsed.include_usage))
+                chunk = responder.chunk(index, out)
+                if chunk is not None:
+                    yield event(chunk)
             else:
                 if parsed.include_usage:
                     yield event(responder.usage_chunk([outs[i] for i in range(len(keys))]))

@@ -13,83 +13,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 
-from helpers import make_tiny_model
 from nanokv import LLM, SamplingParams
-from nanokv.serve.server import build_app
+from serving import ENGINE, MODEL, greedy, running_server, wait_until_idle
 
-ENGINE = dict(dtype="float32", num_kv_blocks=160, max_model_len=256)
-MODEL = "tiny"
 KEY = "sk-test"
 PROMPTS = [f"Request {i}: the story of {'ab' * (i % 5)} goes" for i in range(32)]
-
-
-@contextlib.contextmanager
-def running_server(llm: LLM, api_key: str | None = None):
-    """A real uvicorn server on a free loopback port, in a thread; yields (base URL, app)."""
-    app = build_app(llm, MODEL, api_key)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "the server did not start"
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-        assert not thread.is_alive() and not app.state.engine._thread.is_alive()
-
-
-def wait_until_idle(base: str, timeout: float = 10.0) -> dict:
-    """/health once nothing runs or waits (bounded in time); the caller checks the blocks."""
-    deadline = time.monotonic() + timeout
-    while True:
-        health = httpx.get(f"{base}/health").json()
-        if (health["running"] == health["waiting"] == 0) or time.monotonic() > deadline:
-            return health
-        time.sleep(0.05)
-
-
-@pytest.fixture(autouse=True)
-def loopback_without_proxy(monkeypatch):
-    """A proxy set in the environment must not see these loopback requests."""
-    for name in ("NO_PROXY", "no_proxy"):
-        monkeypatch.setenv(name, "127.0.0.1,localhost")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("serve") / MODEL
-    make_tiny_model(path, "llama")
-    return path
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    """The same model in-process, for the outputs the server must match."""
-    return LLM(str(model_dir), **ENGINE)
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with running_server(LLM(str(model_dir), **ENGINE)) as (base, app):
-        yield base, app
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def test_completions_and_chat_match_generate(client, reference):
@@ -237,7 +166,10 @@ BAD_REQUESTS = [   # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("completions", {"prompt": "hi", "n": 129}, 400, "n"),
     ("completions", {"prompt": ["hi"] * 5, "n": 128}, 400, "n"),
-    ("completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
+    ("completions", {"prompt": "hi", "echo": 1}, 400, "echo"),
+    ("completions", {"prompt": "hi", "top_logprobs": 2}, 400, "top_logprobs"),
     ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("completions", {"prompt": "hi", "kv_method": "magic"}, 400, "kv_method"),
     ("completions", {"prompt": "hi", "kv_method": "batchmax", "kv_budget": 3}, 400, "kv_budget"),
@@ -247,6 +179,10 @@ BAD_REQUESTS = [   # (endpoint, body, status, param)
     ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400,
      "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, 400, "logprobs"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo"),
     ("chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "hi"}]},
      400, "messages[1].role"),
 ]
