@@ -54,14 +54,21 @@ class Evictor:
 
     def evict(self, evictions: list[Eviction]) -> None:
         """Drop each eviction's pairs from every (layer, KV head) of its sequence and compact
-        the survivors into the first slots."""
+        the survivors into the first slots. Sequences evicting alike are done together: those
+        of one rule, slot count and eviction count (an uneven method's also of one page width
+        and blocks kept)."""
         groups = defaultdict(list)
-        for eviction in evictions:
-            if eviction.seq.method.uneven:
-                self._evict_pages(eviction)
+        for e in evictions:
+            seq = e.seq
+            if seq.method.uneven:
+                width = None if seq.head_pages is None else seq.head_pages.tables.shape[-1]
+                groups[seq.method.rule, e.num_slots, e.num_evicted, e.num_blocks_kept, width].append(seq)
             else:
-                groups[eviction.seq.method.rule, eviction.num_slots, eviction.num_evicted].append(eviction.seq)
-        for (_, num_slots, num_evicted), seqs in groups.items():
+                groups[seq.method.rule, e.num_slots, e.num_evicted].append(seq)
+        for (_, num_slots, num_evicted, *uneven), seqs in groups.items():
+            if uneven:
+                self._evict_pages(seqs, num_slots, num_evicted, uneven[0])
+                continue
             tables = self._tables(seqs, num_slots)
             for in_piece, layers in self._pieces(len(seqs), num_slots):
                 piece = tables[in_piece, layers]
@@ -87,7 +94,8 @@ class Evictor:
     def _tables(self, seqs: list[Sequence], num_slots: int) -> torch.Tensor:
         """[S, L, Hkv, nb]: each head's pages holding the sequences' first num_slots slots."""
         nb = -(-num_slots // self.block_size)
-        return self.cache.pages(torch.tensor([seq.block_table[:nb] for seq in seqs], device=self.device))
+        rows = [seq.block_table.row for seq in seqs]
+        return self.cache.pages(torch.from_numpy(seqs[0].block_table.tables.ids[rows, :nb]).to(self.device))
 
     def _held(self, seqs: list[Sequence], tables: torch.Tensor, n: int, lens: torch.Tensor | None = None) -> HeldPairs:
         current = torch.tensor([seq.num_computed_tokens - 1 for seq in seqs], device=self.device)
@@ -112,46 +120,53 @@ class Evictor:
         priority = seqs[0].method.keep_priority(self._held(seqs, tables, num_slots))
         return priority.argsort(dim=-1, stable=True)[..., num_evicted:].sort(dim=-1).values
 
-    def _head_pages(self, seq: Sequence, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """An uneven method's pages [L, Hkv, W] and pairs per head [L, Hkv] when it holds
-        num_slots slots (per head on average): its blocks' pages until its first eviction."""
-        own = seq.head_pages
-        if own is None:
-            tables = self._tables([seq], num_slots)[0]
-            return tables, torch.full(tables.shape[:2], num_slots, device=self.device)
-        return own.tables, own.lens.long() + (num_slots - own.slots)
+    def _head_pages(self, seqs: list[Sequence], num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uneven sequences' pages [S, L, Hkv, W] and pairs per head [S, L, Hkv] when they hold
+        num_slots slots (per head on average): their blocks' pages until their first eviction.
+        All of seqs have evicted before, with pages of one width, or none has."""
+        if seqs[0].head_pages is None:
+            tables = self._tables(seqs, num_slots)
+            return tables, torch.full(tables.shape[:3], num_slots, device=self.device)
+        tables, lens = HeadPages.stack([seq.head_pages for seq in seqs])
+        return tables, lens.long() + (num_slots - seqs[0].head_pages.slots)
 
-    def _evict_pages(self, eviction: Eviction) -> None:
-        """KV-Compress: the sequence's heads go down to num_slots - num_evicted pairs each on
-        average by giving up whole pages, chosen across all heads and layers by the ranking;
+    def _evict_pages(self, seqs: list[Sequence], num_slots: int, num_evicted: int, num_blocks_kept: int) -> None:
+        """KV-Compress: each sequence's heads go down to num_slots - num_evicted pairs each on
+        average by giving up whole pages, chosen across all its heads and layers by the ranking;
         each head's survivors move to the front of its pages (MoveCache), and its pages in
         blocks the sequence gives back after this step move into the blocks it keeps, whose
-        unused pages are shared out among the heads. The pages' costs are computed a piece of
-        layers at a time, then chosen over all, then each piece compacted."""
-        seq, num_slots = eviction.seq, eviction.num_slots
-        tables, lens = self._head_pages(seq, num_slots)
-        L, H, width = tables.shape
-        bs, n = self.block_size, width * self.block_size
-        pieces = [layers for _, layers in self._pieces(1, n)]
+        unused pages are shared out among the heads. The pages' costs are computed a piece at
+        a time, then chosen over all of a sequence's, then each piece compacted."""
+        tables, lens = self._head_pages(seqs, num_slots)
+        S, L, H, width = tables.shape
+        method, bs, n = seqs[0].method, self.block_size, width * self.block_size
+        pieces = list(self._pieces(S, n))
 
-        def priority(layers: slice) -> torch.Tensor:
-            return seq.method.keep_priority(self._held([seq], tables[None, layers], n, lens[None, layers]))[0]
+        def priority(in_piece: slice, layers: slice) -> torch.Tensor:
+            return method.keep_priority(self._held(seqs[in_piece], tables[in_piece, layers], n,
+                                                   lens[in_piece, layers]))
         held_pages = -(-lens // bs)
-        target = (num_slots - eviction.num_evicted) * L * H // bs
-        costs = torch.cat([page_costs(priority(layers), lens[layers], bs, seq.method.floor_pages(bs))
-                           for layers in pieces])
-        evicted = choose_pages(costs, max(int(held_pages.sum()) - target, 0))
+        costs = torch.empty(S, L, H, width, device=self.device)
+        for in_piece, layers in pieces:
+            costs[in_piece, layers] = page_costs(priority(in_piece, layers), lens[in_piece, layers], bs,
+                                                 method.floor_pages(bs))
+        target = (num_slots - num_evicted) * L * H // bs
+        evicted = choose_pages(costs, (held_pages.flatten(1).sum(1) - target).clamp(min=0))
         kept_lens = torch.empty_like(lens)
-        for layers in pieces:
-            keep, kept_lens[layers] = kept_slots(priority(layers), lens[layers], evicted[layers], bs)
-            kernels.compact_kv(self.cache.per_slot, tables[layers], keep, kept_lens[layers])
-        if seq.method.windowed:   # its scores restart (KVC-full's keep accumulating)
+        for in_piece, layers in pieces:
+            keep, kept_lens[in_piece, layers] = kept_slots(priority(in_piece, layers), lens[in_piece, layers],
+                                                           evicted[in_piece, layers], bs)
+            kernels.compact_kv(self.cache.per_slot, tables[in_piece, layers], keep, kept_lens[in_piece, layers])
+        if method.windowed:   # its scores restart (KVC-full's keep accumulating)
             self.cache.scores[tables[torch.arange(width, device=self.device) < held_pages[..., None]]] = 0.0
-        staying = self.cache.pages(torch.tensor(seq.block_table[:eviction.num_blocks_kept], device=self.device))
-        tables, src, dst = repage(tables, held_pages - evicted, staying.flatten())
-        for buffer in self.cache.per_slot:
-            buffer[dst.long()] = buffer[src.long()]
-        seq.head_pages = HeadPages(tables, kept_lens.int(), seq.num_kv_slots)
+        staying, kept_pages, kept_lens = self._tables(seqs, num_blocks_kept * bs), held_pages - evicted, kept_lens.int()
+        for start, stop in dict.fromkeys((in_piece.start, in_piece.stop) for in_piece, _ in pieces):
+            part = slice(start, stop)   # whole sequences, as many as a piece holds
+            part_tables, src, dst = repage(tables[part], kept_pages[part], staying[part].flatten(1))
+            for buffer in self.cache.per_slot:
+                buffer[dst.long()] = buffer[src.long()]
+            for row, seq in enumerate(seqs[part]):
+                seq.head_pages = HeadPages(part_tables, kept_lens[part], row, seq.num_kv_slots)
 
     def kept_positions(self, seq: Sequence) -> torch.Tensor:
         """The original positions of the pairs seq holds at the end, per layer and KV head:
@@ -160,7 +175,7 @@ class Evictor:
         (the engine evicts before the next chunk): it is applied."""
         n = seq.num_kv_slots
         if seq.method.uneven:
-            tables, lens = self._head_pages(seq, n)
+            tables, lens = (x[0] for x in self._head_pages([seq], n))
             positions = read_slots(self.cache.positions, tables[None], tables.shape[-1] * self.block_size)[0]
             slot = torch.arange(positions.shape[-1], device=self.device)
             return positions.masked_fill(slot >= lens[..., None], -1)[..., :int(lens.max())].cpu()

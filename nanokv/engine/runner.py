@@ -12,16 +12,16 @@ from itertools import accumulate, chain
 
 import numpy as np
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 import kernels
 from models import AttentionMetadata, Decoder, KVCache
 from nanokv.config import EngineConfig
 from nanokv.engine import evict, memory
+from nanokv.engine.block_table import BlockTables
 from nanokv.engine.cuda_graphs import DecodeGraphs
 from nanokv.engine.sampler import FAILED, Sampler, token_logprobs
 from nanokv.engine.scheduler import ScheduledBatch
-from nanokv.engine.sequence import Sequence
+from nanokv.engine.sequence import HeadPages, Sequence
 from nanokv.engine.timing import StepClock
 from nanokv.eviction import AverageAttention, KVMethod
 from nanokv.sampling_params import SamplingParams
@@ -80,10 +80,12 @@ class ModelRunner:
         bs = self.block_size
         blocks = [-(-n // bs) for n in lengths]
         scratch = KVCache(self.model.config, sum(blocks), bs, self.kv_dtype, self.device)
+        tables = BlockTables(len(lengths), max(blocks))
         starts = [sum(blocks[:i]) for i in range(len(blocks))]
         scored = KVMethod(ranking=AverageAttention())
-        seqs = [Sequence(-1, [0] * n, SamplingParams(), method=scored, block_table=list(range(start, start + nb)),
-                         prompt_logprobs=[None] * n) for n, start, nb in zip(lengths, starts, blocks)]
+        seqs = [Sequence(-1, [0] * n, SamplingParams(), method=scored, prompt_logprobs=[None] * n,
+                         block_table=tables.new(list(range(start, start + nb))))
+                for n, start, nb in zip(lengths, starts, blocks)]
         step = self.prepare(ScheduledBatch(seqs, list(lengths)), scratch)
         hidden = self.model(step.input_ids, step.positions, scratch, step.meta)
         self._record_prompt_logprobs(hidden, step)
@@ -150,26 +152,30 @@ class ModelRunner:
     def _step_pages(self, seqs: list[Sequence], num_new: np.ndarray,
                     cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Each head's pages [L, B, Hkv, W] and length this step [L, B, Hkv], and a host-side
-        bound of the lengths. A head's pages are its sequence's blocks' (KVCache.batch_pages),
-        or its own once an uneven method has evicted (Sequence.head_pages)."""
-        counts = np.array([len(seq.block_table) for seq in seqs])
-        own = [(b, seq) for b, seq in enumerate(seqs) if seq.head_pages is not None]
-        width = max([int(counts.max())] + [seq.head_pages.tables.shape[-1] for _, seq in own])
-        blocks = np.zeros((len(seqs), width), dtype=np.int32)
-        blocks[np.arange(width) < counts[:, None]] = np.fromiter(
-            chain.from_iterable(seq.block_table for seq in seqs), dtype=np.int32, count=int(counts.sum()))
-        tables = cache.batch_pages(self._to_device(blocks))
+        bound of the lengths. A head's pages are its sequence's blocks' (KVCache.batch_pages,
+        from the rows of BlockTables), or its own once an uneven method has evicted
+        (Sequence.head_pages)."""
         lens = np.array([seq.num_kv_slots for seq in seqs]) + num_new
         bound = int(lens.max())
-        lens = self._to_device(lens.astype(np.int32))[None, :, None].expand(tables.shape[:3]).contiguous()
+        width = -(-bound // self.block_size)
+        heads = [seq.head_pages for seq in seqs]
+        own = [b for b, head in enumerate(heads) if head is not None]
+        if own:
+            heads = [heads[b] for b in own]
+            own_tables, own_lens = HeadPages.stack(heads)
+            width = max(width, own_tables.shape[-1])
+            bound = max(bound, own_tables.shape[-1] * self.block_size)
+        rows = np.fromiter((seq.block_table.row for seq in seqs), dtype=np.intp, count=len(seqs))
+        blocks = seqs[0].block_table.tables.ids[rows, :width]
+        if blocks.shape[1] < width:   # a head of its own holds more pages than a block table can
+            blocks = np.pad(blocks, ((0, 0), (0, width - blocks.shape[1])))
+        tables = cache.batch_pages(self._to_device(blocks))
+        step_lens = self._to_device(lens.astype(np.int32))[None, :, None].expand(tables.shape[:3]).contiguous()
         if own:   # heads with pages of their own: all of them put in place at once
-            rows, heads = [b for b, _ in own], [seq.head_pages for _, seq in own]
-            own_tables = pad_sequence([h.tables.permute(2, 0, 1) for h in heads])   # [W', N, L, H]
-            tables[:, rows, :, :own_tables.shape[0]] = own_tables.permute(2, 1, 3, 0)
-            taken = self._array([seqs[b].num_kv_slots + num_new[b] - h.slots for b, h in zip(rows, heads)], np.int32)
-            lens[:, rows] = (torch.stack([h.lens for h in heads]) + taken[:, None, None]).transpose(0, 1)
-            bound = max(bound, own_tables.shape[0] * self.block_size)
-        return tables, lens, bound
+            tables[:, own, :, :own_tables.shape[-1]] = own_tables.transpose(0, 1)
+            taken = lens[own] - np.fromiter((head.slots for head in heads), dtype=np.int64, count=len(own))
+            step_lens[:, own] = (own_lens + self._array(taken, np.int32)[:, None, None]).transpose(0, 1)
+        return tables, step_lens, bound
 
     def _slot_mapping(self, tables: torch.Tensor, lens: torch.Tensor, row_seq: torch.Tensor,
                       from_end: torch.Tensor) -> torch.Tensor:

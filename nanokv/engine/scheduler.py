@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from nanokv.config import EngineConfig
 from nanokv.engine.block_manager import BlockManager
+from nanokv.engine.block_table import BlockTables
 from nanokv.engine.sequence import Sequence, Status
 
 
@@ -56,6 +57,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order: the last is preempted first
+        self.block_tables = BlockTables(config.max_num_seqs, blocks.blocks_for(config.max_model_len))
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -112,10 +114,10 @@ class Scheduler:
         self.blocks.share(cached)
         own = self.blocks.allocate(needed)
         if seq.method.shares_blocks:
-            seq.block_table = cached + own
+            seq.block_table = self.block_tables.new(cached + own)
             seq.prefix_serials = [serial for _, serial in hits]
         else:   # a copy of its own, made by the runner
-            seq.block_table = own
+            seq.block_table = self.block_tables.new(own)
             batch.copies += zip(cached, own)
         seq.num_computed_tokens = seq.num_kv_slots = len(cached) * self.blocks.block_size
         seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
@@ -151,13 +153,13 @@ class Scheduler:
             self._preempt(victim)
             if victim is seq:
                 return False
-        seq.block_table += self.blocks.allocate(missing)
+        seq.block_table.extend(self.blocks.allocate(missing))
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq.block_table)
-        seq.block_table, seq.prefix_serials, seq.head_pages = [], [], None
+        self.blocks.free(self.block_tables.release(seq.block_table))
+        seq.prefix_serials, seq.head_pages = [], None
         seq.num_computed_tokens = seq.num_kv_slots = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -172,9 +174,7 @@ class Scheduler:
             seq.num_computed_tokens += n
             seq.num_kv_slots += n
         for eviction in batch.evictions:   # compacted: the blocks beyond those it keeps go back
-            seq = eviction.seq
-            self.blocks.free(seq.block_table[eviction.num_blocks_kept:])
-            del seq.block_table[eviction.num_blocks_kept:]
+            self.blocks.free(eviction.seq.block_table.cut(eviction.num_blocks_kept))
         done = []
         for seq in batch.seqs:
             token = sampled.get(seq.seq_id)
@@ -194,9 +194,8 @@ class Scheduler:
             return
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
-            self.blocks.free(seq.block_table)
+            self.blocks.free(self.block_tables.release(seq.block_table))
         else:
             self.waiting.remove(seq)
-        seq.block_table = []
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -6,6 +6,7 @@ from enum import Enum
 
 import torch
 
+from nanokv.engine.block_table import BlockTable
 from nanokv.eviction import KVMethod
 from nanokv.sampling_params import SamplingParams
 
@@ -26,10 +27,35 @@ class TokenLogprob:
 class HeadPages:
     """The pages of a sequence whose heads hold different numbers of pairs (an uneven method,
     after its first eviction); before it, and for every other method, each head's pages are
-    those of the sequence's blocks (KVCache.pages)."""
-    tables: torch.Tensor   # [L, Hkv, W] int32: each head's pages, with room for what it reads until the next eviction
-    lens: torch.Tensor     # [L, Hkv] int32: pairs each head held right after the last eviction
+    those of the sequence's blocks (KVCache.pages). The sequences evicted together share
+    one set of tensors, each its own row of it, so that a step gathers them per group."""
+    tables: torch.Tensor   # [S, L, Hkv, W] int32: each head's pages, room for what it reads until the next eviction
+    lens: torch.Tensor     # [S, L, Hkv] int32: pairs each head held right after the last eviction
+    row: int               # this sequence's, of the S evicted with it
     slots: int             # num_kv_slots then: every head has taken num_kv_slots - slots pairs since
+
+    @staticmethod
+    def stack(pages: list[HeadPages]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables [N, L, Hkv, W] (W the widest; narrower ones padded with page 0, never read)
+        and lens [N, L, Hkv] of N sequences' pages, in one gather per group evicted together."""
+        groups = {}
+        for i, page in enumerate(pages):
+            groups.setdefault(id(page.tables), []).append(i)
+        width = max(pages[members[0]].tables.shape[-1] for members in groups.values())
+        tables, lens = [], []
+        for members in groups.values():
+            first, rows = pages[members[0]], [pages[i].row for i in members]
+            if rows == list(range(len(first.tables))):   # the whole group, in order
+                rows = slice(None)
+            tables.append(torch.nn.functional.pad(first.tables[rows], (0, width - first.tables.shape[-1])))
+            lens.append(first.lens[rows])
+        tables, lens = torch.cat(tables), torch.cat(lens)
+        order = [i for members in groups.values() for i in members]
+        if order != list(range(len(pages))):   # back to the order of pages
+            inverse = torch.empty(len(order), dtype=torch.long)
+            inverse[order] = torch.arange(len(order))
+            tables, lens = tables[inverse.to(tables.device)], lens[inverse.to(lens.device)]
+        return tables, lens
 
 
 class Status(Enum):
@@ -45,7 +71,7 @@ class Sequence:
     params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    block_table: list[int] = field(default_factory=list)
+    block_table: BlockTable = field(default_factory=BlockTable)   # its KV blocks, while it runs
     method: KVMethod = field(default_factory=KVMethod)
     max_slots: int = 0                 # the most tokens it will ever feed (prompt + max_tokens - 1)
     num_computed_tokens: int = 0       # tokens run through the model (their positions are taken)

@@ -2,8 +2,9 @@
 gives up whole pages, chosen across all its heads and layers, so the pairs each
 (layer, KV head) keeps follow its scores instead of one budget for all.
 
-Pure tensor functions of one sequence's pages; the eviction surgery
-(nanokv/engine/evict.py) reads the pairs from the cache and moves them.
+Pure tensor functions of sequences' pages: one sequence's, or (but repage) several
+evicted together along leading dimensions; the eviction surgery (nanokv/engine/evict.py)
+reads the pairs from the cache and moves them.
 """
 from __future__ import annotations
 
@@ -41,26 +42,31 @@ def _ordered(priority: torch.Tensor, lens: torch.Tensor, block_size: int) -> tup
 
 
 def page_costs(priority: torch.Tensor, lens: torch.Tensor, block_size: int, floor_pages: int) -> torch.Tensor:
-    """[L, H, n / bs]: what evicting each head's e-th page costs (+inf below its floor)."""
+    """[..., L, H, n / bs]: what evicting each head's e-th page costs (+inf below its floor)."""
     costs = _ordered(priority, lens, block_size)[1][..., block_size - 1::block_size]
     count = torch.arange(1, costs.shape[-1] + 1, device=priority.device)
     held_pages = -(-lens // block_size)
     return costs.masked_fill(count > (held_pages - floor_pages)[..., None], float("inf"))
 
 
-def choose_pages(costs: torch.Tensor, num_pages: int) -> torch.Tensor:
-    """[L, H] pages each head gives up: the num_pages cheapest of costs [L, H, m]."""
-    L, H, m = costs.shape
-    chosen = costs.flatten().argsort(stable=True)[:num_pages]
-    if num_pages and costs.flatten()[chosen[-1]] == float("inf"):
+def choose_pages(costs: torch.Tensor, num_pages: torch.Tensor | int) -> torch.Tensor:
+    """[..., L, H] pages each head gives up: the num_pages [...] cheapest of each sequence's
+    costs [..., L, H, m] (the leading dimensions: sequences evicted together)."""
+    *lead, L, H, m = costs.shape
+    flat = costs.flatten(-3)
+    order = flat.argsort(dim=-1, stable=True)
+    rank = torch.arange(flat.shape[-1], device=costs.device)
+    chosen = rank < torch.as_tensor(num_pages, device=costs.device)[..., None]
+    if (chosen & (flat.gather(-1, order) == float("inf"))).any():
         raise RuntimeError(f"cannot evict {num_pages} pages: the rest are protected or below the floor")
-    return torch.bincount(chosen // m, minlength=L * H).view(L, H)
+    evicted = torch.zeros_like(order).scatter_add_(-1, order // m, chosen.long())
+    return evicted[..., :L * H].view(*lead, L, H)
 
 
 def kept_slots(priority: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor,
                block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """keep [L, H, n] (each head's surviving slots first, ascending) and the new lens [L, H]
-    when head (l, h) gives up its evicted[l, h] cheapest pages."""
+    """keep [..., L, H, n] (each head's surviving slots first, ascending) and the new lens
+    [..., L, H] when head (l, h) gives up its evicted[..., l, h] cheapest pages."""
     n = priority.shape[-1]
     slot = torch.arange(n, device=priority.device)
     order = _ordered(priority, lens, block_size)[0]
@@ -71,28 +77,36 @@ def kept_slots(priority: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor
 
 def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each head (l, h) now uses only the first kept[l, h] pages of its table [L, H, W]. Its
-    pages in blocks the sequence gives back move to unused pages among `staying` (the pages
-    of the blocks it keeps); then every head gets an equal share of the still unused ones,
-    in order, for the tokens it reads until the next eviction.
+    """For S sequences evicted together, whose pages are all distinct: head (s, l, h) now uses
+    only the first kept[s, l, h] pages of its table [S, L, H, W]. Its pages in blocks sequence
+    s gives back move to unused pages among staying[s] (the pages of the blocks it keeps);
+    then every head gets an equal share of its sequence's still unused ones, in order, for
+    the tokens it reads until the next eviction.
 
-    Returns the new tables [L, H, W'] and the moves: page src[i]'s content goes to dst[i].
+    Returns the new tables [S, L, H, W'] (W' the widest sequence's; the others' extra columns
+    page 0) and the moves: page src[i]'s content goes to dst[i].
     """
-    L, H, W = tables.shape
-    in_use = torch.arange(W, device=tables.device) < kept[..., None]
-    used = tables[in_use]                                   # (l, h, column) order
-    leaving = ~torch.isin(used, staying)
-    unused = staying[~torch.isin(staying, used)]
-    src, dst = used[leaving], unused[:int(leaving.sum())]
+    S, L, H, W = tables.shape
+    device = tables.device
+    in_use = torch.arange(W, device=device) < kept[..., None]
+    used = tables[in_use]                                   # (s, l, h, column) order
+    leaving = ~torch.isin(used, staying)                    # pages are distinct: any sequence's staying will do
+    num_leaving = in_use.masked_scatter(in_use, leaving).flatten(1).sum(-1)   # [S]
+    unused = ~torch.isin(staying, used)                     # [S, P]
+    rank = unused.cumsum(-1) - 1                            # among a sequence's unused pages
+    src, dst = used[leaving], staying[unused & (rank < num_leaving[:, None])]
     used[leaving] = dst
     tables = tables.clone()
     tables[in_use] = used
-    spare = unused[len(dst):]
-    share = len(spare) // (L * H)
-    width = int(kept.max()) + share
-    column = torch.arange(width, device=tables.device)
-    old = tables.gather(-1, column.clamp(max=W - 1).expand(L, H, width))
-    extra = column - kept[..., None]                     # index of the spare page a column takes
-    head = torch.arange(L * H, device=tables.device).view(L, H, 1)
-    new = spare[(extra.clamp(0, max(share - 1, 0)) * L * H + head)] if share else torch.zeros_like(old)
-    return torch.where(extra < 0, old, torch.where(extra < share, new, 0)).to(tables.dtype), src, dst
+    spare = unused & (rank >= num_leaving[:, None])
+    share = spare.sum(-1) // (L * H)                        # [S]
+    spare = staying.gather(-1, (~spare).int().argsort(dim=-1, stable=True))   # each sequence's spare pages first
+    width = int((kept.flatten(1).amax(1) + share).max())
+    column = torch.arange(width, device=device)
+    old = tables.gather(-1, column.clamp(max=W - 1).expand(S, L, H, width))
+    extra = column - kept[..., None]                        # index of the spare page a column takes
+    share = share[:, None, None, None]
+    head = torch.arange(L * H, device=device).view(1, L, H, 1)
+    new = spare.gather(-1, (extra.clamp(min=0) * L * H + head).clamp(max=staying.shape[-1] - 1).flatten(1))
+    new = torch.where(extra < share, new.view(S, L, H, width), 0)
+    return torch.where(extra < 0, old, new).to(tables.dtype), src, dst

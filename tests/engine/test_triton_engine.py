@@ -97,8 +97,9 @@ def test_a_mixed_step_puts_its_decodes_first(tmp_path):
 
     make_tiny_model(tmp_path, "llama")
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=160)
-    chunk = Sequence(0, list(range(40)), SamplingParams(), block_table=[0, 1, 2])
-    decode = Sequence(1, [5, 6, 7], SamplingParams(), output_token_ids=[9], block_table=[3],
+    tables = llm.scheduler.block_tables
+    chunk = Sequence(0, list(range(40)), SamplingParams(), block_table=tables.new([0, 1, 2]))
+    decode = Sequence(1, [5, 6, 7], SamplingParams(), output_token_ids=[9], block_table=tables.new([3]),
                       num_computed_tokens=3, num_kv_slots=3)
     step = llm.runner.prepare(ScheduledBatch(seqs=[chunk, decode], num_new_tokens=[40, 1]))
     assert step.meta.num_decodes == 1

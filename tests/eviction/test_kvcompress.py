@@ -66,22 +66,28 @@ def test_page_eviction_takes_the_cheapest_pages_across_heads(seed):
 
 
 def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out():
+    """Two sequences repaged together (their pages distinct): each as if alone."""
     L, H, W = 2, 3, 4
-    tables = torch.randperm(40, dtype=torch.int32)[:L * H * W].view(L, H, W)   # pages of 40, some unused
-    kept = torch.tensor([[4, 1, 2], [0, 3, 1]])
-    staying = torch.cat([tables[kept > 1][:, 0], torch.tensor([t for t in range(40) if t not in tables],
-                                                               dtype=torch.int32)])[:17]
+    g = torch.Generator().manual_seed(0)
+    tables = torch.randperm(80, dtype=torch.int32, generator=g)[:2 * L * H * W].view(2, L, H, W)   # some unused
+    kept = torch.tensor([[[4, 1, 2], [0, 3, 1]], [[1, 0, 2], [1, 0, 1]]])   # shares of 1 and 2 spare pages
+    free = [t for t in range(80) if t not in tables]
+    staying = torch.stack([torch.cat([tables[s][kept[s] > 1][:, 0], torch.tensor(free[s::2], dtype=torch.int32)])[:17]
+                           for s in range(2)])
     new, src, dst = repage(tables, kept, staying)
-    used = {(l, h): tables[l, h, :kept[l, h]].tolist() for l in range(L) for h in range(H)}
     moved = dict(zip(src.tolist(), dst.tolist()))
-    assert set(moved) == {p for pages in used.values() for p in pages if p not in staying}
-    share = (len(staying) - int(kept.sum())) // (L * H)
-    everything = []
-    for (l, h), pages in used.items():
-        row = new[l, h, :kept[l, h] + share].tolist()
-        assert row[:kept[l, h]] == [moved.get(p, p) for p in pages]   # in order, moved where they had to
-        everything += row
-    assert len(set(everything)) == len(everything) and set(everything) <= set(staying.tolist())
+    for s in range(2):
+        used = {(l, h): tables[s, l, h, :kept[s, l, h]].tolist() for l in range(L) for h in range(H)}
+        assert {p for p in moved if p in tables[s]} == {p for pages in used.values() for p in pages
+                                                          if p not in staying[s]}
+        share = (len(staying[s]) - int(kept[s].sum())) // (L * H)
+        assert share == s + 1
+        everything = []
+        for (l, h), pages in used.items():
+            row = new[s, l, h, :kept[s, l, h] + share].tolist()
+            assert row[:kept[s, l, h]] == [moved.get(p, p) for p in pages]   # in order, moved where they had to
+            everything += row
+        assert len(set(everything)) == len(everything) and set(everything) <= set(staying[s].tolist())
 
 
 # ----- the model oracle -------------------------------------------------------------------
@@ -231,6 +237,23 @@ def test_kvcompress_keeps_what_the_oracle_keeps(model, bs):
     held = torch.stack([(out.kept_positions >= 0).sum(dim=-1) for out in outs])
     assert bs == 16 or (held.amin(dim=(1, 2)) < held.amax(dim=(1, 2))).any()   # heads kept different numbers
     assert llm.runner.kv_cache.num_blocks == llm.scheduler.blocks.num_free   # every block went back
+
+
+@pytest.mark.parametrize("schedule", ["prefill", "decode"])
+def test_kvcompress_sequences_evicting_together_keep_what_each_keeps_alone(model, schedule):
+    """Prompts of one length under one method evict in the same steps, as one group (pages
+    chosen and moved together, before and after their heads have pages of their own): each
+    keeps the oracle's positions and tokens."""
+    path, _, oracle = model
+    llm = engine(path, block_size=4)
+    prompts = [prompt(60, seed=seed) for seed in range(3)]
+    outs = llm.generate(prompts, params(32, 8, 20, schedule))
+    problems = []
+    for seed, (ids, out) in enumerate(zip(prompts, outs)):
+        tokens, kept = kvcompress_oracle(oracle, ids, 32, 8, 20, schedule=schedule, bs=4)
+        problems += differences(f"{schedule} prompt seed {seed}", out, tokens, kept)
+    assert not problems, "\n".join(problems)
+    assert llm.runner.kv_cache.num_blocks == llm.scheduler.blocks.num_free
 
 
 def test_kvcompress_beside_other_methods_and_preempted(gqa):

@@ -13,7 +13,7 @@ TOL = 1e-3
 def engine_logits(llm: LLM, seq: Sequence, n: int) -> torch.Tensor:
     """Run seq's next n tokens through the real runner path; logits of every row."""
     need = llm.blocks.blocks_for(seq.num_computed_tokens + n) - len(seq.block_table)
-    seq.block_table += llm.blocks.allocate(need)
+    seq.block_table.extend(llm.blocks.allocate(need))
     step = llm.runner.prepare(ScheduledBatch([seq], [n]))
     with torch.inference_mode():
         hidden = llm.runner.model(step.input_ids, step.positions, llm.runner.kv_cache, step.meta)
@@ -35,7 +35,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 
 def check_prefill_and_decode(llm: LLM, hf, prompt: list[int], steps: int = 16) -> None:
-    seq = Sequence(0, prompt, SamplingParams(temperature=0))
+    seq = Sequence(0, prompt, SamplingParams(temperature=0), block_table=llm.scheduler.block_tables.new([]))
     ours = engine_logits(llm, seq, len(prompt))
     with torch.no_grad():
         theirs = hf(torch.tensor([prompt])).logits[0].float()
