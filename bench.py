@@ -8,6 +8,8 @@
                                          (nanokv/tools/bench_prefix.py)
     python bench.py --mode host          the engine's own time per decode step, on a tiny model
                                          (batch 1 to 512, every method: nanokv/tools/host_time.py)
+    python bench.py --mode offload       the host tier: swap against recompute preemption, with the pool
+                                         at a quarter of the workload's demand (nanokv/tools/bench_offload.py)
     python bench.py --mode hf            nanokv against HF transformers `generate` on the CPU
                                          (batch 8, and batch 1 at three prompt lengths: nanokv/tools/bench_hf.py)
     python bench.py --mode gpu-report --report gpu.md
@@ -34,6 +36,7 @@ import torch
 
 from models.shapes import SHAPES
 from nanokv.tools.bench_hf import bench_vs_hf
+from nanokv.tools.bench_offload import bench_offload
 from nanokv.tools.bench_prefix import bench_prefix
 from nanokv.tools.flags import add_engine_flags
 from nanokv.tools.host_time import bench_host
@@ -58,6 +61,8 @@ MODE_DEFAULTS = {
                  methods=["full", "batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "kvcompress", "ed"]),
     "gpu-report": {},
     "prefix": dict(num_requests=8, input_len=512, output_len=16),
+    "offload": dict(num_requests=64, methods=["full", "batchmax", "kvcompress"], budgets=[256], max_num_seqs=64,
+                    max_num_batched_tokens=4096),
 }
 
 
@@ -66,7 +71,8 @@ MODE_DEFAULTS = {
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags, with defaults that depend on the mode and the preset (the preset's win)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["paper", "workload", "sweep", "hf", "gpu-report", "prefix", "host"])
+    p.add_argument("--mode", choices=["paper", "workload", "sweep", "hf", "gpu-report", "prefix", "host",
+                                                  "offload"])
     p.add_argument("--preset", choices=sorted(PRESETS))
     p.add_argument("--model", default=None, help="HF directory or hub id (default: the bundled SmolLM2-135M)")
     p.add_argument("--random-weights", metavar="SHAPE", choices=sorted(SHAPES),
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     start = time.perf_counter()
     modes = {"paper": bench_paper, "workload": bench_workload, "sweep": bench_sweep,
-             "prefix": bench_prefix, "host": bench_host}
+             "prefix": bench_prefix, "host": bench_host, "offload": bench_offload}
     records = modes[args.mode](args, save)
     if args.plot:
         plot(records, args.plot)

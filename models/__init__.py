@@ -6,6 +6,6 @@ Imports kernels only."""
 from models.attention_metadata import AttentionMetadata
 from models.config import ModelConfig
 from models.decoder import Decoder
-from models.kv_cache import KVCache
+from models.kv_cache import HostKVCache, KVCache
 
-__all__ = ["AttentionMetadata", "Decoder", "KVCache", "ModelConfig"]
+__all__ = ["AttentionMetadata", "Decoder", "HostKVCache", "KVCache", "ModelConfig"]

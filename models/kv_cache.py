@@ -74,6 +74,15 @@ class KVCache:
                 per_slot[dst_pages] = per_slot[src_pages]
         self.scores[dst_pages] = 0.0
 
+    def move_pages(self, tables: torch.Tensor, old_blocks: list[int], new_blocks: list[int]) -> torch.Tensor:
+        """Page tables whose pages lay in old_blocks, with each old_blocks[i] now new_blocks[i]
+        (pages of other blocks unchanged): a swapped sequence's own tables, back on the device."""
+        device = tables.device
+        where = torch.arange(self.num_blocks, device=device)
+        where[torch.tensor(old_blocks, device=device)] = torch.tensor(new_blocks, device=device)
+        block = (tables.long() // self.num_kv_heads) % self.num_blocks
+        return (tables + (where[block] - block) * self.num_kv_heads).to(tables.dtype)
+
     @staticmethod
     def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
         """Memory of one block: K and V (and their two fp32 scales if quantized), position,
@@ -82,3 +91,43 @@ class KVCache:
         metadata = 4 + 4 + (2 * 4 if dtype in QUANT_MAX else 0)
         logits = kernels.scratch_bytes_per_slot(model.num_heads // model.num_kv_heads, device)
         return model.num_layers * model.num_kv_heads * block_size * (kv + metadata + logits)
+
+
+class HostKVCache:
+    """The host tier: whole blocks of the pool in host memory (pinned when the pool is on CUDA),
+    each with everything its slots carry (KVCache.per_slot). Host block b holds, per buffer,
+    the block's L x Hkv pages: [num_blocks, L, Hkv, bs, ...]. Which host blocks are free:
+    nanokv/engine/block_manager.py."""
+
+    def __init__(self, cache: KVCache, num_blocks: int):
+        self.cache, self.num_blocks = cache, num_blocks
+        pinned = cache.k.device.type == "cuda"
+        self.per_slot = tuple(torch.zeros(num_blocks, cache.num_layers, cache.num_kv_heads, *buffer.shape[1:],
+                                          dtype=buffer.dtype, pin_memory=pinned) for buffer in cache.per_slot)
+
+    @staticmethod
+    def bytes_per_block(cache: KVCache) -> int:
+        """A host block: every per-slot buffer's pages of one block (no scratch)."""
+        return cache.num_layers * cache.num_kv_heads * sum(b[0].nbytes for b in cache.per_slot)
+
+    def _pages(self, device_blocks: list[int]) -> torch.Tensor:
+        """[n, L, Hkv]: the pages of device_blocks, block first as the host tier holds them."""
+        return self.cache.pages(torch.tensor(device_blocks, device=self.cache.k.device)).permute(2, 0, 1)
+
+    def save(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Copy the pool's device_blocks into host_blocks: per buffer, one gather on the device
+        into a contiguous tensor and one transfer."""
+        pages = self._pages(device_blocks)
+        rows = torch.tensor(host_blocks)
+        for host, buffer in zip(self.per_slot, self.cache.per_slot):
+            host[rows] = buffer[pages].cpu()
+
+    def load(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Copy host_blocks into the pool's device_blocks: per buffer, one gather on the host
+        and one transfer."""
+        device = self.cache.k.device
+        pages = self._pages(device_blocks)
+        rows = torch.tensor(host_blocks)
+        for host, buffer in zip(self.per_slot, self.cache.per_slot):
+            staged = host[rows]
+            buffer[pages] = (staged.pin_memory() if device.type == "cuda" else staged).to(device, non_blocking=True)

@@ -3,6 +3,7 @@ copy of an option. The model's shape is models/config.py's; the command lines' f
 these options, nanokv/tools/flags.py's."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,12 @@ from nanokv.eviction import EvictionSettings
 
 # kv_cache_dtype: "auto" is the model's dtype; the others quantize the cache (kernels/kv_store.py).
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": getattr(torch, "float8_e4m3fn", None)}
+PREEMPTION_MODES = ("swap", "recompute")
+
+
+def host_memory_gb() -> float:
+    """This machine's memory in GB: the most the host tier may take."""
+    return round(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9, 1)
 
 
 @dataclass
@@ -36,6 +43,9 @@ class EngineConfig(EvictionSettings):
     enable_prefix_caching: bool = True  # prompts that start alike share the KV blocks of their common start
     kv_cache_dtype: str = "auto"        # "auto" (the model's dtype), "int8" or "fp8" (e4m3): a quantized cache
     num_threads: int | None = None      # CPU threads for torch's ops, for the whole process; None: torch's own
+    kv_offload_gb: float = 0.0          # the host tier: KV blocks in host memory beside the pool (0: none)
+    preemption_mode: str | None = None  # a preempted sequence's K/V: "swap" to the host tier (exact, kept
+                                        # as it was) or "recompute" from its tokens; None: swap with a host tier
 
     def __post_init__(self):
         check_type("model", self.model, (str,), "a model directory or hub id (str)", optional=True)
@@ -58,6 +68,14 @@ class EngineConfig(EvictionSettings):
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         check_int("num_threads", self.num_threads, 1, optional=True)
+        check_float("kv_offload_gb", self.kv_offload_gb, 0, host_memory_gb())
+        check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES, optional=True)
+        if self.preemption_mode == "swap" and not self.kv_offload_gb:
+            raise ValueError("preemption_mode='swap' needs the host tier: give kv_offload_gb > 0")
+        if self.preemption_mode == "recompute" and self.kv_offload_gb:
+            raise ValueError(f"kv_offload_gb={self.kv_offload_gb} with preemption_mode='recompute' leaves the "
+                             "host tier unused: swap preemption is what uses it")
+        self.preemption_mode = self.preemption_mode or ("swap" if self.kv_offload_gb else "recompute")
         if self.kv_cache_dtype == "fp8" and KV_CACHE_DTYPES["fp8"] not in QUANT_MAX:
             raise ValueError(f"kv_cache_dtype='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} "
                              "lacks; use 'int8' or 'auto'")

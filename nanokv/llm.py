@@ -62,7 +62,7 @@ class RequestOutput:
 class EngineStats:
     """What the engine holds now (LLM.stats)."""
     running: int             # sequences admitted, holding blocks
-    waiting: int             # queued, or preempted and waiting to be recomputed
+    waiting: int             # queued, or preempted (waiting to be recomputed, or swapped out)
     kv_slots: int            # KV pairs per head the running sequences hold, summed
     free_blocks: int         # KV blocks free (or cached and reclaimable)
     total_blocks: int
@@ -70,6 +70,12 @@ class EngineStats:
     block_bytes: int         # what one block takes in memory (K, V and every slot's metadata)
     preemptions: int         # since the engine started
     timings: Timings | None  # phase times, inside LLM.timing()
+    swaps: int = 0           # preemptions that swapped to the host tier (the others recomputed)
+    host_blocks_used: int = 0   # the host tier (kv_offload_gb): blocks holding swapped sequences
+    host_blocks: int = 0
+    host_block_bytes: int = 0
+    swapped_out_blocks: int = 0  # blocks copied to the host tier since the engine started
+    swapped_in_blocks: int = 0   # and back
 
 
 @dataclass
@@ -125,7 +131,8 @@ class LLM:
         cache = None
         if self.config.enable_prefix_caching:   # a block's contents depend on the model and the cache's dtype
             cache = PrefixCache(self.config.block_size, (str(path or model), str(kv_dtype)))
-        self.blocks = BlockManager(self.runner.kv_cache.num_blocks, self.config.block_size, cache)
+        self.blocks = BlockManager(self.runner.kv_cache.num_blocks, self.config.block_size, cache,
+                                   self.runner.host_cache.num_blocks)
         self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path))
         self.requests: dict[int, _Request] = {}
         self._ids = count()
@@ -216,10 +223,12 @@ class LLM:
     def stats(self) -> EngineStats:
         """A snapshot of what the engine holds: requests, KV blocks, preemptions (and, inside
         timing(), where the steps' time went)."""
-        sched, blocks = self.scheduler, self.blocks
+        sched, blocks, host = self.scheduler, self.blocks, self.runner.host_cache
         return EngineStats(len(sched.running), len(sched.waiting), sum(seq.num_kv_slots for seq in sched.running),
                            blocks.num_free, blocks.num_blocks, blocks.block_size, self.runner.kv_cache.block_bytes,
-                           sched.num_preemptions, copy.deepcopy(self._timings))
+                           sched.num_preemptions, copy.deepcopy(self._timings), sched.num_swaps,
+                           host.num_blocks - len(blocks.free_host_blocks), host.num_blocks,
+                           host.bytes_per_block(self.runner.kv_cache), *sched.swapped_blocks)
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[Timings]:

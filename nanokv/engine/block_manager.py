@@ -14,13 +14,17 @@ class BlockManager:
     a later hit, and reclaimed, least recently used first, only when the free list is empty:
     admission counts such blocks as free."""
 
-    def __init__(self, num_blocks: int, block_size: int, cache: PrefixCache | None = None):
+    def __init__(self, num_blocks: int, block_size: int, cache: PrefixCache | None = None,
+                 num_host_blocks: int = 0):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.cache = cache
         self.free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() gives 0 first
         self.reclaimable: OrderedDict[int, None] = OrderedDict()   # cached, unreferenced: oldest first
         self.ref_counts = [0] * num_blocks
+        # The host tier (models/kv_cache.py HostKVCache): its blocks have one holder each.
+        self.num_host_blocks = num_host_blocks
+        self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
 
     @property
     def num_free(self) -> int:
@@ -65,3 +69,11 @@ class BlockManager:
                     self.reclaimable[block] = None
                 else:
                     self.free_blocks.append(block)
+
+    def allocate_host(self, n: int) -> list[int]:
+        if n > len(self.free_host_blocks):
+            raise RuntimeError(f"asked for {n} host blocks, only {len(self.free_host_blocks)} free")
+        return [self.free_host_blocks.pop() for _ in range(n)]
+
+    def free_host(self, blocks: list[int]) -> None:
+        self.free_host_blocks += reversed(blocks)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 import kernels
-from models import AttentionMetadata, Decoder, KVCache
+from models import AttentionMetadata, Decoder, HostKVCache, KVCache
 from nanokv.config import EngineConfig
 from nanokv.engine import evict, memory
 from nanokv.engine.block_table import BlockTables
@@ -65,6 +65,8 @@ class ModelRunner:
             num_blocks = memory.pool_blocks(config, model_config, kv_dtype, device, self.uses_graphs,
                                             self.profile_forward)
             self.kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
+            host_blocks = int(config.kv_offload_gb * 1e9) // HostKVCache.bytes_per_block(self.kv_cache)
+            self.host_cache = HostKVCache(self.kv_cache, host_blocks)
             self.evictor = evict.Evictor(self.kv_cache)
             self.sampler = Sampler(device, config.seed)
             self.graphs = None
@@ -198,6 +200,8 @@ class ModelRunner:
         sequences whose chunk reached their end. clock: laps the phases (LLM.timing)."""
         clock = clock or StepClock(None, self.device)
         with on_device(self.device):
+            self._swap(batch)
+            clock.lap("swap")
             if batch.copies:
                 cached, own = zip(*batch.copies)
                 self.kv_cache.copy_blocks(list(cached), list(own))
@@ -222,6 +226,19 @@ class ModelRunner:
                 sampled = dict(zip((s.seq_id for s in seqs), tokens))
             clock.lap("sample")
             return sampled
+
+    def _swap(self, batch: ScheduledBatch) -> None:
+        """Preempted sequences' blocks to the host tier, then resuming ones' back (a block may
+        be both: one sequence's going out, another's coming in). A resuming sequence's own page
+        tables (an uneven method's) follow its blocks to their new places."""
+        for swaps, copy in ((batch.swaps_out, self.host_cache.save), (batch.swaps_in, self.host_cache.load)):
+            if swaps:
+                copy([block for swap in swaps for block in swap.host], [block for swap in swaps for block in swap.device])
+        for swap in batch.swaps_in:
+            own = swap.seq.head_pages
+            if own is not None:
+                tables = self.kv_cache.move_pages(own.tables[own.row], swap.device_before, swap.device)
+                swap.seq.head_pages = HeadPages(tables[None], own.lens[own.row][None], 0, own.slots)
 
     def kept_positions(self, seq: Sequence) -> torch.Tensor:
         """[L, H, n]: the original positions of the pairs seq holds at the end (evict.py)."""

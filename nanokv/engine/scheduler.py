@@ -7,8 +7,10 @@ admitted prompts. Admission reserves blocks for what a sequence can hold at
 its peak: its prompt with a full cache, only its budget |kv| when it evicts
 as it reads the prompt (nanokv/eviction/). When a sequence needs a block
 and none is free, the most recently admitted sequence is preempted: its
-blocks are freed and it goes back to the front of the waiting queue, to be
-recomputed from its tokens when there is room.
+blocks are freed and it goes back to the front of the waiting queue. With a
+host tier (preemption_mode "swap"), its blocks are first copied there, as
+they are, and copied back when it is admitted again; without one (or no
+room in it), it is recomputed from its tokens.
 
 Prefix caching (prefix_cache.py): a sequence is admitted with the
 longest run of cached full blocks that starts its tokens already computed, as
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from nanokv.config import EngineConfig
 from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.block_table import BlockTables
-from nanokv.engine.sequence import Sequence, Status
+from nanokv.engine.sequence import Sequence, Status, Swap
 
 
 @dataclass
@@ -45,6 +47,8 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)   # tokens each sequence runs this step
     evictions: list[Eviction] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)   # (cached block, a sequence's own): before the step
+    swaps_out: list[Swap] = field(default_factory=list)   # before the step: to the host tier, then
+    swaps_in: list[Swap] = field(default_factory=list)    # back from it, then the copies
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -59,6 +63,8 @@ class Scheduler:
         self.running: list[Sequence] = []   # in admission order: the last is preempted first
         self.block_tables = BlockTables(config.max_num_seqs, blocks.blocks_for(config.max_model_len))
         self.num_preemptions = 0
+        self.num_swaps = 0                  # preemptions that swapped (the others recomputed)
+        self.swapped_blocks = [0, 0]        # blocks copied to the host tier and back
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -86,6 +92,8 @@ class Scheduler:
         # Blocks to copy were held so that no allocation above reclaimed them; none happens
         # between here and the runner's copy at the start of the step.
         self.blocks.free([cached for cached, _ in batch.copies])
+        for swap in batch.swaps_in:
+            self.blocks.free_host(swap.host)
         return batch
 
     def _room_for(self, seq: Sequence) -> tuple[list[tuple[int, int]], int] | None:
@@ -93,6 +101,9 @@ class Scheduler:
         if the pool cannot take it now. A cached block no one holds counts as free until seq
         takes it; one that copies holds its sources while its own blocks are allocated, so it
         copies fewer rather than wait."""
+        if seq.swapped is not None:   # its blocks come back, with room to go on
+            needed = max(len(seq.swapped.host), self.blocks.blocks_for(seq.method.schedule.reserve_slots(seq)))
+            return ([], needed) if self.blocks.can_allocate(needed) else None
         hits = self._cached_prefix(seq)
         shares = seq.method.shares_blocks
         needed = self.blocks.blocks_for(seq.method.schedule.reserve_slots(seq)) - (len(hits) if shares else 0)
@@ -110,6 +121,14 @@ class Scheduler:
         return self.blocks.cache.match(seq.token_ids, limit, computed=not seq.method.shares_blocks)
 
     def _admit(self, seq: Sequence, hits: list[tuple[int, int]], needed: int, batch: ScheduledBatch) -> None:
+        seq.status = Status.RUNNING
+        if seq.swapped is not None:   # as it was: the runner copies its blocks back before the step
+            own = self.blocks.allocate(needed)
+            seq.block_table = self.block_tables.new(own)
+            out, seq.swapped = seq.swapped, None
+            batch.swaps_in.append(Swap(seq, out.host, own[:len(out.host)], out.device))
+            self.swapped_blocks[1] += len(out.host)
+            return
         cached = [block for block, _ in hits]
         self.blocks.share(cached)
         own = self.blocks.allocate(needed)
@@ -121,7 +140,6 @@ class Scheduler:
             batch.copies += zip(cached, own)
         seq.num_computed_tokens = seq.num_kv_slots = len(cached) * self.blocks.block_size
         seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
-        seq.status = Status.RUNNING
 
     def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Put seq's next chunk (and the eviction before it) in the batch; returns its
@@ -129,7 +147,7 @@ class Scheduler:
         evict = seq.method.schedule.evict_count(seq)
         slots = seq.num_kv_slots - evict
         n = min(budget, seq.method.schedule.max_chunk(seq, slots))
-        if not self._make_room(seq, slots + n):
+        if not self._make_room(seq, slots + n, batch):
             return 0
         if evict:   # what it keeps after the step: the chunk's slots, and at least its steady size
             kept = self.blocks.blocks_for(max(slots + n, seq.method.schedule.steady_slots(seq)))
@@ -142,7 +160,7 @@ class Scheduler:
             self.blocks.cache.add(seq.prefix_serials, seq.block_table, seq.token_ids, seq.num_computed_tokens + n)
         return n
 
-    def _make_room(self, seq: Sequence, num_slots: int) -> bool:
+    def _make_room(self, seq: Sequence, num_slots: int, batch: ScheduledBatch) -> bool:
         """Give seq blocks for num_slots slots, preempting newer sequences if the pool is
         empty. False if seq itself had to be preempted."""
         missing = self.blocks.blocks_for(num_slots) - len(seq.block_table)
@@ -150,17 +168,27 @@ class Scheduler:
             return True
         while not self.blocks.can_allocate(missing):
             victim = self.running[-1]
-            self._preempt(victim)
+            self._preempt(victim, batch)
             if victim is seq:
                 return False
         seq.block_table.extend(self.blocks.allocate(missing))
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Take seq out of the running set: its blocks go to the host tier when it swaps and
+        there is room, else it will be recomputed. Admission reserved its peak, so seq was
+        admitted in an earlier step: its blocks hold its K/V."""
         self.running.remove(seq)
-        self.blocks.free(self.block_tables.release(seq.block_table))
-        seq.prefix_serials, seq.head_pages = [], None
-        seq.num_computed_tokens = seq.num_kv_slots = 0
+        blocks = self.block_tables.release(seq.block_table)
+        if self.config.preemption_mode == "swap" and len(blocks) <= len(self.blocks.free_host_blocks):
+            seq.swapped = Swap(seq, self.blocks.allocate_host(len(blocks)), blocks)
+            batch.swaps_out.append(seq.swapped)
+            self.num_swaps += 1
+            self.swapped_blocks[0] += len(blocks)
+        else:
+            seq.prefix_serials, seq.head_pages = [], None
+            seq.num_computed_tokens = seq.num_kv_slots = 0
+        self.blocks.free(blocks)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -197,5 +225,8 @@ class Scheduler:
             self.blocks.free(self.block_tables.release(seq.block_table))
         else:
             self.waiting.remove(seq)
+            if seq.swapped is not None:
+                self.blocks.free_host(seq.swapped.host)
+                seq.swapped = None
         seq.status = Status.FINISHED
         seq.finish_reason = reason

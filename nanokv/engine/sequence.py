@@ -58,6 +58,16 @@ class HeadPages:
         return tables, lens
 
 
+@dataclass
+class Swap:
+    """A preempted sequence's blocks between the pool and the host tier: host[i] holds what
+    device[i] held (out) or will hold (in)."""
+    seq: Sequence
+    host: list[int]
+    device: list[int]
+    device_before: list[int] = field(default_factory=list)   # in: the blocks it left (its own page tables name them)
+
+
 class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -84,6 +94,7 @@ class Sequence:
     num_cached_tokens: int = 0         # prompt tokens taken from the prefix cache at its last admission
     prefix_serials: list[int] = field(default_factory=list)    # prefix-cache entries of its full blocks
     head_pages: HeadPages | None = None                          # an uneven method's own page tables
+    swapped: Swap | None = None        # preempted to the host tier: where its blocks are
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self):

@@ -196,6 +196,15 @@ def test_host_mode_times_every_phase_per_decode_step(capsys):
     assert len(records) == 2 * 2 * 2   # methods x batches x caching off and on
     for r in records:
         assert r["decode_steps"] > 0 and {"device", "date", "commit", "caching", "method", "batch"} <= r.keys()
-        phases = [r[p] for p in ("schedule", "evict", "prepare", "sample", "update", "outputs")]
+        phases = [r[p] for p in ("schedule", "swap", "evict", "prepare", "sample", "update", "outputs")]
         assert min(phases) >= 0 and r["host"] == pytest.approx(sum(phases)) and r["forward"] > 0
     assert "per-sequence slope, batch 1 to 3" in capsys.readouterr().out
+
+
+def test_offload_mode_swaps_where_the_tier_is_on(capsys):
+    records = bench.main(["--mode", "offload", "--num-requests", "6", "--methods", "full"])
+    recompute, swap = records
+    assert recompute["preemption_mode"] == "recompute" and recompute["preemptions"] > 0 == recompute["swaps"]
+    assert swap["preemptions"] == swap["swaps"] > 0 and swap["swapped_gb"] > 0 and swap["swap_s"] > 0
+    assert recompute["output_tokens"] == swap["output_tokens"] and swap["ttft_p99_s"] >= swap["ttft_p50_s"] > 0
+    assert "GB copied" in capsys.readouterr().out

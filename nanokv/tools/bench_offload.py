@@ -1,0 +1,93 @@
+"""bench.py --mode offload: the host tier under a device pool too small for the workload.
+
+nano-vllm's workload (random prompts, input and output lengths uniform in [100, 1024]) runs
+with the pool at a quarter of its peak demand (every request that can run at once holding
+its whole context) and the host tier at four times the pool. A preempted sequence is
+recomputed from its tokens (no tier) or swapped to the host tier and back. Per run:
+tokens/s, time to first token and between tokens (p50 and p99 over the requests'
+streams), preemptions, swaps, the bytes copied and the time the copies took. Without
+--model or --random-weights the shape is the tiny one on a CPU (the forward is nearly
+free: the table shows the mechanism and its bookkeeping) and Qwen3-0.6B's on a GPU.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm import tqdm
+
+from models import HostKVCache
+from nanokv import LLM
+from nanokv.tools.tables import print_table
+from nanokv.tools.throughput import make_llm, method_list, run_context, sampling, workload
+
+POOL_SHARE, HOST_TIMES = 0.25, 4
+MAX_LEN = 2048   # the workload's longest request: 1024 + 1024
+COLUMNS = [("method", "label", ""), ("preemption", "preemption_mode", ""), ("tokens/s", "tokens_per_s", ".1f"),
+           ("TTFT p50 s", "ttft_p50_s", ".2f"), ("TTFT p99 s", "ttft_p99_s", ".2f"),
+           ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f"),
+           ("preemptions", "preemptions", ""), ("swaps", "swaps", ""), ("GB copied", "swapped_gb", ".3f"),
+           ("copy s", "swap_s", ".2f")]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return float(torch.tensor(values).quantile(q)) if values else None
+
+
+def streamed_run(llm: LLM, requests: list) -> dict:
+    """Submit (prompt, SamplingParams) requests at once and step to the end, noting when each
+    request's tokens came out."""
+    before = llm.stats()
+    start = time.perf_counter()
+    arrivals: dict[int, list[float]] = {}
+    with llm.timing() as timings:
+        for prompt, params in requests:
+            arrivals[llm.add_request(prompt, params)] = []
+        while llm.has_unfinished():
+            outputs = llm.step()
+            now = time.perf_counter()
+            for out in outputs:
+                arrivals[out.request_id] += [now] * len(out.new_token_ids)
+    wall = time.perf_counter() - start
+    stats = llm.stats()
+    tokens = sum(map(len, arrivals.values()))
+    gaps = [b - a for times in arrivals.values() for a, b in zip(times, times[1:])]
+    first = [times[0] - start for times in arrivals.values()]
+    copied = stats.swapped_out_blocks + stats.swapped_in_blocks - before.swapped_out_blocks - before.swapped_in_blocks
+    return dict(output_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+                ttft_p50_s=percentile(first, 0.5), ttft_p99_s=percentile(first, 0.99),
+                itl_p50_ms=1e3 * percentile(gaps, 0.5), itl_p99_ms=1e3 * percentile(gaps, 0.99),
+                preemptions=stats.preemptions - before.preemptions, swaps=stats.swaps - before.swaps,
+                swapped_gb=copied * stats.host_block_bytes / 1e9,
+                swap_s=timings.decode["swap"] + timings.prefill["swap"])
+
+
+def bench_offload(args, save) -> list[dict]:
+    if args.model is None and args.random_weights is None:
+        args.random_weights = "qwen3-0.6b" if torch.cuda.is_available() else "tiny"
+    sizing = make_llm(args, MAX_LEN, num_kv_blocks=MAX_LEN)   # only to read the sizes
+    block_size, host_block_bytes = sizing.config.block_size, HostKVCache.bytes_per_block(sizing.runner.kv_cache)
+    requests = workload(args.num_requests, seed=0, vocab=sizing.model_config.vocab_size)
+    concurrent = requests[:sizing.config.max_num_seqs]
+    demand = sum(-(-(len(prompt) + n) // block_size) for prompt, n in concurrent)
+    pool = max(int(demand * POOL_SHARE), -(-MAX_LEN // block_size))
+    del sizing
+    host_gb = HOST_TIMES * pool * host_block_bytes / 1e9
+    rows = []
+    runs = [(method, mode) for method in method_list(args.methods, args.budgets, args.ed_budgets)
+            for mode in ("recompute", "swap")]
+    for method, mode in tqdm(runs, desc="offload", leave=False):
+        llm = make_llm(args, MAX_LEN, num_kv_blocks=pool, preemption_mode=mode,
+                       kv_offload_gb=host_gb if mode == "swap" else 0.0)
+        context = run_context(args, llm)
+        batch = [(prompt, sampling(method, n, args.evict_every)) for prompt, n in requests]
+        rows.append(dict(context, mode="offload", method=method.name, budget=method.budget, label=method.label,
+                         preemption_mode=mode, pool_blocks=pool, demand_blocks=demand, host_gb=host_gb,
+                         **streamed_run(llm, batch)))
+        save(rows[-1])
+    print(f"\noffload: {args.num_requests} requests (input and output lengths uniform in [100, 1024], EOS "
+          f"ignored); {rows[0]['model']}, {rows[0]['dtype']}, {rows[0]['device']}; pool {pool} blocks of "
+          f"{block_size} ({POOL_SHARE:.0%} of the {demand} the first {len(concurrent)} requests hold at once), "
+          f"host tier {host_gb:.3f} GB ({HOST_TIMES}x)")
+    print_table(rows, COLUMNS)
+    return rows
