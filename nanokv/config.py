@@ -43,7 +43,8 @@ class EngineConfig(EvictionSettings):
     enable_prefix_caching: bool = True  # prompts that start alike share the KV blocks of their common start
     kv_cache_dtype: str = "auto"        # "auto" (the model's dtype), "int8" or "fp8" (e4m3): a quantized cache
     num_threads: int | None = None      # CPU threads for torch's ops, for the whole process; None: torch's own
-    kv_offload_gb: float = 0.0          # the host tier: KV blocks in host memory beside the pool (0: none)
+    kv_offload_gb: float = 0.0          # the host tier: KV blocks in host memory beside the pool (0: none),
+                                        # for swapped sequences and prefix-cached blocks reclaimed from the pool
     preemption_mode: str | None = None  # a preempted sequence's K/V: "swap" to the host tier (exact, kept
                                         # as it was) or "recompute" from its tokens; None: swap with a host tier
 
@@ -72,9 +73,9 @@ class EngineConfig(EvictionSettings):
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES, optional=True)
         if self.preemption_mode == "swap" and not self.kv_offload_gb:
             raise ValueError("preemption_mode='swap' needs the host tier: give kv_offload_gb > 0")
-        if self.preemption_mode == "recompute" and self.kv_offload_gb:
-            raise ValueError(f"kv_offload_gb={self.kv_offload_gb} with preemption_mode='recompute' leaves the "
-                             "host tier unused: swap preemption is what uses it")
+        if self.preemption_mode == "recompute" and self.kv_offload_gb and not self.enable_prefix_caching:
+            raise ValueError(f"kv_offload_gb={self.kv_offload_gb} with preemption_mode='recompute' and no prefix "
+                             "caching leaves the host tier unused: swapping and the prefix cache are what use it")
         self.preemption_mode = self.preemption_mode or ("swap" if self.kv_offload_gb else "recompute")
         if self.kv_cache_dtype == "fp8" and KV_CACHE_DTYPES["fp8"] not in QUANT_MAX:
             raise ValueError(f"kv_cache_dtype='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} "

@@ -72,10 +72,12 @@ class EngineStats:
     timings: Timings | None  # phase times, inside LLM.timing()
     swaps: int = 0           # preemptions that swapped to the host tier (the others recomputed)
     host_blocks_used: int = 0   # the host tier (kv_offload_gb): blocks holding swapped sequences
+    host_cached_blocks: int = 0  # and cached blocks spilled from the device (reclaimable: free)
     host_blocks: int = 0
     host_block_bytes: int = 0
-    swapped_out_blocks: int = 0  # blocks copied to the host tier since the engine started
-    swapped_in_blocks: int = 0   # and back
+    blocks_saved: int = 0    # since the engine started: copied to the host tier (swapped out, cached blocks spilled)
+    blocks_loaded: int = 0   # and from it (swapped back in, cached blocks found there)
+    host_hits: int = 0       # cached blocks found in the host tier
 
 
 @dataclass
@@ -227,8 +229,8 @@ class LLM:
         return EngineStats(len(sched.running), len(sched.waiting), sum(seq.num_kv_slots for seq in sched.running),
                            blocks.num_free, blocks.num_blocks, blocks.block_size, self.runner.kv_cache.block_bytes,
                            sched.num_preemptions, copy.deepcopy(self._timings), sched.num_swaps,
-                           host.num_blocks - len(blocks.free_host_blocks), host.num_blocks,
-                           host.bytes_per_block(self.runner.kv_cache), *sched.swapped_blocks)
+                           host.num_blocks - blocks.num_host_free, len(blocks.host_reclaimable), host.num_blocks,
+                           host.bytes_per_block(self.runner.kv_cache), *sched.host_copies, sched.host_hits)
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[Timings]:

@@ -228,13 +228,17 @@ class ModelRunner:
             return sampled
 
     def _swap(self, batch: ScheduledBatch) -> None:
-        """Preempted sequences' blocks to the host tier, then resuming ones' back (a block may
-        be both: one sequence's going out, another's coming in). A resuming sequence's own page
-        tables (an uneven method's) follow its blocks to their new places."""
-        for swaps, copy in ((batch.swaps_out, self.host_cache.save), (batch.swaps_in, self.host_cache.load)):
-            if swaps:
-                copy([block for swap in swaps for block in swap.host], [block for swap in swaps for block in swap.device])
-        for swap in batch.swaps_in:
+        """Blocks to the host tier (preempted sequences', spilled cached ones), then back from it
+        (resuming sequences', cached ones hit there): a device block may be both, one block's
+        going out, another's coming in. A resumed sequence's own page tables (an uneven
+        method's) follow its blocks to their new places."""
+        if batch.saves:
+            device, host = zip(*batch.saves)
+            self.host_cache.save(list(host), list(device))
+        if batch.loads:
+            host, device = zip(*batch.loads)
+            self.host_cache.load(list(host), list(device))
+        for swap in batch.resumed:
             own = swap.seq.head_pages
             if own is not None:
                 tables = self.kv_cache.move_pages(own.tables[own.row], swap.device_before, swap.device)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from nanokv.config import EngineConfig
 from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.block_table import BlockTables
+from nanokv.engine.prefix_cache import Hit
 from nanokv.engine.sequence import Sequence, Status, Swap
 
 
@@ -46,9 +47,12 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)   # tokens each sequence runs this step
     evictions: list[Eviction] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)   # (cached block, a sequence's own): before the step
-    swaps_out: list[Swap] = field(default_factory=list)   # before the step: to the host tier, then
-    swaps_in: list[Swap] = field(default_factory=list)    # back from it, then the copies
+    # Block copies before the step, in this order: to the host tier (device block, host block),
+    # from it (host block, device block), then cached blocks into sequences' own.
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    resumed: list[Swap] = field(default_factory=list)   # swapped back in: their own page tables follow
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -64,7 +68,8 @@ class Scheduler:
         self.block_tables = BlockTables(config.max_num_seqs, blocks.blocks_for(config.max_model_len))
         self.num_preemptions = 0
         self.num_swaps = 0                  # preemptions that swapped (the others recomputed)
-        self.swapped_blocks = [0, 0]        # blocks copied to the host tier and back
+        self.host_copies = [0, 0]           # blocks copied to the host tier and back from it
+        self.host_hits = 0                  # cached blocks found in the host tier
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -92,53 +97,69 @@ class Scheduler:
         # Blocks to copy were held so that no allocation above reclaimed them; none happens
         # between here and the runner's copy at the start of the step.
         self.blocks.free([cached for cached, _ in batch.copies])
-        for swap in batch.swaps_in:
-            self.blocks.free_host(swap.host)
+        self.blocks.release_host([host for host, _ in batch.loads])
+        batch.saves += self.blocks.take_spills()
+        self.host_copies[0] += len(batch.saves)
+        self.host_copies[1] += len(batch.loads)
         return batch
 
-    def _room_for(self, seq: Sequence) -> tuple[list[tuple[int, int]], int] | None:
+    def _room_for(self, seq: Sequence) -> tuple[list[Hit], int] | None:
         """The cached blocks seq starts with and the number of blocks to allocate for it; None
         if the pool cannot take it now. A cached block no one holds counts as free until seq
         takes it; one that copies holds its sources while its own blocks are allocated, so it
-        copies fewer rather than wait."""
+        copies fewer rather than wait. A block cached in the host tier takes a device block."""
         if seq.swapped is not None:   # its blocks come back, with room to go on
             needed = max(len(seq.swapped.host), self.blocks.blocks_for(seq.method.schedule.reserve_slots(seq)))
             return ([], needed) if self.blocks.can_allocate(needed) else None
         hits = self._cached_prefix(seq)
         shares = seq.method.shares_blocks
-        needed = self.blocks.blocks_for(seq.method.schedule.reserve_slots(seq)) - (len(hits) if shares else 0)
-        taken = sum(self.blocks.ref_counts[block] == 0 for block, _ in hits)
+        shared = sum(not hit.on_host for hit in hits) if shares else 0
+        needed = self.blocks.blocks_for(seq.method.schedule.reserve_slots(seq)) - shared
+        taken = sum(self._unheld(hit) for hit in hits)
         while hits and not shares and not self.blocks.can_allocate(needed + taken):
-            taken -= self.blocks.ref_counts[hits.pop()[0]] == 0
+            taken -= self._unheld(hits.pop())
         return (hits, needed) if self.blocks.can_allocate(needed + taken) else None
 
-    def _cached_prefix(self, seq: Sequence) -> list[tuple[int, int]]:
-        """(block, cache entry) of the cached blocks seq may start with. At least one token is
-        left to compute (its logits are sampled from); with prompt_logprobs, every position."""
+    def _unheld(self, hit: Hit) -> bool:
+        """A cached device block no one holds: free to allocate until a sequence takes it."""
+        return not hit.on_host and self.blocks.ref_counts[hit.block] == 0
+
+    def _cached_prefix(self, seq: Sequence) -> list[Hit]:
+        """The cached blocks seq may start with. At least one token is left to compute (its
+        logits are sampled from); with prompt_logprobs, every position."""
         if self.blocks.cache is None or seq.prompt_logprobs is not None:
             return []
         limit = min(seq.method.reusable_tokens(seq), seq.num_tokens - 1)
         return self.blocks.cache.match(seq.token_ids, limit, computed=not seq.method.shares_blocks)
 
-    def _admit(self, seq: Sequence, hits: list[tuple[int, int]], needed: int, batch: ScheduledBatch) -> None:
+    def _admit(self, seq: Sequence, hits: list[Hit], needed: int, batch: ScheduledBatch) -> None:
         seq.status = Status.RUNNING
         if seq.swapped is not None:   # as it was: the runner copies its blocks back before the step
             own = self.blocks.allocate(needed)
             seq.block_table = self.block_tables.new(own)
             out, seq.swapped = seq.swapped, None
-            batch.swaps_in.append(Swap(seq, out.host, own[:len(out.host)], out.device))
-            self.swapped_blocks[1] += len(out.host)
+            batch.loads += zip(out.host, own)
+            batch.resumed.append(Swap(seq, out.host, own[:len(out.host)], out.device))
             return
-        cached = [block for block, _ in hits]
-        self.blocks.share(cached)
+        on_host = [hit.block for hit in hits if hit.on_host]
+        self.blocks.hold_host(on_host)
+        self.host_hits += len(on_host)
+        self.blocks.share([hit.block for hit in hits if not hit.on_host])
         own = self.blocks.allocate(needed)
-        if seq.method.shares_blocks:
-            seq.block_table = self.block_tables.new(cached + own)
-            seq.prefix_serials = [serial for _, serial in hits]
+        if seq.method.shares_blocks:   # a cached block in the host tier comes back into one of its own
+            fresh, table = iter(own), []
+            for hit in hits:
+                table.append(next(fresh) if hit.on_host else hit.block)
+                if hit.on_host:
+                    batch.loads.append((hit.block, table[-1]))
+                    self.blocks.cache.restore(hit.block, table[-1])
+            seq.block_table = self.block_tables.new(table + list(fresh))
+            seq.prefix_serials = [hit.serial for hit in hits]
         else:   # a copy of its own, made by the runner
             seq.block_table = self.block_tables.new(own)
-            batch.copies += zip(cached, own)
-        seq.num_computed_tokens = seq.num_kv_slots = len(cached) * self.blocks.block_size
+            for hit, block in zip(hits, own):
+                (batch.loads if hit.on_host else batch.copies).append((hit.block, block))
+        seq.num_computed_tokens = seq.num_kv_slots = len(hits) * self.blocks.block_size
         seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
 
     def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
@@ -180,11 +201,10 @@ class Scheduler:
         admitted in an earlier step: its blocks hold its K/V."""
         self.running.remove(seq)
         blocks = self.block_tables.release(seq.block_table)
-        if self.config.preemption_mode == "swap" and len(blocks) <= len(self.blocks.free_host_blocks):
+        if self.config.preemption_mode == "swap" and len(blocks) <= self.blocks.num_host_free:
             seq.swapped = Swap(seq, self.blocks.allocate_host(len(blocks)), blocks)
-            batch.swaps_out.append(seq.swapped)
+            batch.saves += zip(blocks, seq.swapped.host)
             self.num_swaps += 1
-            self.swapped_blocks[0] += len(blocks)
         else:
             seq.prefix_serials, seq.head_pages = [], None
             seq.num_computed_tokens = seq.num_kv_slots = 0
@@ -226,7 +246,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
             if seq.swapped is not None:
-                self.blocks.free_host(seq.swapped.host)
+                self.blocks.release_host(seq.swapped.host)
                 seq.swapped = None
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -156,6 +156,7 @@ class EngineThread:
         stats = self.llm.stats()
         return dict(running=stats.running, waiting=stats.waiting, free_blocks=stats.free_blocks,
                     total_blocks=stats.total_blocks, steps=self.num_steps, largest_batch=self.largest_batch,
-                    preemptions=stats.preemptions, swaps=stats.swaps, host_blocks_used=stats.host_blocks_used,
-                    host_blocks=stats.host_blocks, swapped_bytes=stats.host_block_bytes * (
-                        stats.swapped_out_blocks + stats.swapped_in_blocks))
+                    preemptions=stats.preemptions, swaps=stats.swaps, host_blocks=stats.host_blocks,
+                    host_blocks_used=stats.host_blocks_used, host_cached_blocks=stats.host_cached_blocks,
+                    host_hits=stats.host_hits,
+                    host_copied_bytes=stats.host_block_bytes * (stats.blocks_saved + stats.blocks_loaded))

@@ -53,7 +53,7 @@ def streamed_run(llm: LLM, requests: list) -> dict:
     tokens = sum(map(len, arrivals.values()))
     gaps = [b - a for times in arrivals.values() for a, b in zip(times, times[1:])]
     first = [times[0] - start for times in arrivals.values()]
-    copied = stats.swapped_out_blocks + stats.swapped_in_blocks - before.swapped_out_blocks - before.swapped_in_blocks
+    copied = stats.blocks_saved + stats.blocks_loaded - before.blocks_saved - before.blocks_loaded
     return dict(output_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
                 ttft_p50_s=percentile(first, 0.5), ttft_p99_s=percentile(first, 0.99),
                 itl_p50_ms=1e3 * percentile(gaps, 0.5), itl_p99_ms=1e3 * percentile(gaps, 0.99),

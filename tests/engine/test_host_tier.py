@@ -1,6 +1,7 @@
 """The host tier (kv_offload_gb): swap preemption moves a preempted sequence's blocks to host
 memory, as they are, and back when it resumes, so it goes on exactly as if it had never
-been preempted, under every method and cache dtype."""
+been preempted, under every method and cache dtype; prefix-cached blocks reclaimed from
+the device spill there and are found there."""
 from __future__ import annotations
 
 import pytest
@@ -49,7 +50,7 @@ def test_swapping_gives_what_a_roomy_pool_gives(tiny_dir, method, kv_cache_dtype
             assert torch.equal(out.kept_positions, expected.kept_positions)
     stats = llm.stats()
     assert stats.swaps > 0 and stats.preemptions == stats.swaps   # no sequence was recomputed
-    assert stats.swapped_out_blocks == stats.swapped_in_blocks > 0
+    assert stats.blocks_saved >= stats.blocks_loaded > 0   # saved: swapped out, and cached blocks spilled
     assert stats.free_blocks == stats.total_blocks and stats.host_blocks_used == 0
 
 
@@ -111,8 +112,31 @@ def test_recompute_preemption_still_works_without_a_host_tier(tiny_dir):
     (dict(kv_offload_gb="1"), "kv_offload_gb"),
     (dict(preemption_mode="spill"), "preemption_mode"),
     (dict(preemption_mode="swap"), "kv_offload_gb > 0"),
-    (dict(preemption_mode="recompute", kv_offload_gb=1), "unused"),
+    (dict(preemption_mode="recompute", kv_offload_gb=1, enable_prefix_caching=False), "unused"),
 ])
 def test_bad_host_tier_settings_are_clear_errors(tiny_dir, options, message):
     with pytest.raises((ValueError, TypeError), match=message):
         engine(tiny_dir, num_kv_blocks=16, **options)
+
+
+@pytest.mark.parametrize("follow_up", [{}, dict(kv_method="streamingllm", kv_schedule="decode", kv_budget=32,
+                                                evict_every=16)])
+def test_a_chat_follow_up_is_served_from_the_host_tier(tiny_dir, follow_up):
+    """The first turn's blocks are cached, then reclaimed from the device by other requests:
+    they spill to the host tier, and the next turn finds them there (a full-cache request
+    shares them back on the device, an evicting one loads them into its own blocks)."""
+    g = torch.Generator().manual_seed(1)
+    first, others = torch.randint(0, VOCAB, (64,), generator=g).tolist(), torch.randint(0, VOCAB, (3, 90), generator=g)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = engine(tiny_dir, num_kv_blocks=8, kv_offload_gb=0.01)
+    turn = llm.generate([first], greedy)[0]
+    llm.generate(others.tolist(), greedy)
+    assert llm.stats().host_cached_blocks >= 4
+    follow = turn.prompt_token_ids + turn.token_ids + torch.randint(0, VOCAB, (7,), generator=g).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **follow_up)
+    out = llm.generate([follow], params)[0]
+    expected = engine(tiny_dir, num_kv_blocks=8, enable_prefix_caching=False).generate([follow], params)[0]
+    assert out.token_ids == expected.token_ids
+    assert out.num_cached_tokens == 64 and llm.stats().host_hits == 4
+    stats = llm.stats()
+    assert stats.free_blocks == stats.total_blocks and stats.host_blocks_used == 0

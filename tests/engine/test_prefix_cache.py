@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import VOCAB
+from models import HostKVCache
 from nanokv import LLM, SamplingParams
 from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.prefix_cache import PrefixCache
@@ -33,6 +34,11 @@ def check_books(llm: LLM) -> None:
     assert free | reclaimable == {b for b in range(n) if not held[b]}
     cached = set(blocks.cache.keys) if blocks.cache else set()
     assert reclaimable <= cached and not free & cached
+    # The host tier: each block is a swapped sequence's, free, or a spilled cached block, one of them.
+    swapped = [b for seq in llm.scheduler.waiting if seq.swapped is not None for b in seq.swapped.host]
+    spilled, host_free = set(blocks.host_reclaimable), set(blocks.free_host_blocks)
+    assert sorted(swapped + list(spilled) + list(host_free)) == list(range(blocks.num_host_blocks))
+    assert spilled == set(blocks.cache.host_keys if blocks.cache else ())
 
 
 def test_shared_system_prompt_chat_turns_and_block_boundaries_match_no_caching(tiny_dir):
@@ -98,9 +104,11 @@ def test_off_computes_every_token(tiny_dir):
     assert llm.blocks.cache is None and [o.num_cached_tokens for o in outs] == [0, 0, 0]
 
 
-def test_random_workload_with_preemption_keeps_the_books(tiny_dir):
+@pytest.mark.parametrize("host_blocks", [0, 10])
+def test_random_workload_with_preemption_keeps_the_books(tiny_dir, host_blocks):
     """Shared prefixes, full and evicting requests, a pool so small that sequences are preempted
-    and cached blocks reclaimed: outputs as without caching, books consistent after every step."""
+    and cached blocks reclaimed: outputs as without caching, books consistent after every step.
+    With a small host tier: swapped, spilled to it, hit there and reclaimed from it too."""
     rng = random.Random(5)
     prefixes = [tokens(n, seed=50 + n) for n in (16, 30, 48)]
     methods = [dict(), dict(kv_method="streamingllm", kv_budget=32, evict_every=16),
@@ -111,6 +119,11 @@ def test_random_workload_with_preemption_keeps_the_books(tiny_dir):
     expected = [o.token_ids for o in engine(tiny_dir, False, num_kv_blocks=512, max_model_len=160,
                                             max_num_seqs=64).generate(prompts, params)]
     llm = engine(tiny_dir, True, num_kv_blocks=12, max_model_len=160, max_num_seqs=16, max_num_batched_tokens=48)
+    if host_blocks:
+        gb = host_blocks * HostKVCache.bytes_per_block(llm.runner.kv_cache) / 1e9
+        llm = engine(tiny_dir, True, num_kv_blocks=12, max_model_len=160, max_num_seqs=16, max_num_batched_tokens=48,
+                     kv_offload_gb=gb)
+        assert llm.blocks.num_host_blocks == host_blocks
     ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
     got = {}
     while llm.has_unfinished():
@@ -121,6 +134,9 @@ def test_random_workload_with_preemption_keeps_the_books(tiny_dir):
     assert [got[i].token_ids for i in ids] == expected
     assert llm.scheduler.num_preemptions >= 5 and sum(o.num_cached_tokens > 0 for o in got.values()) > 10
     assert llm.blocks.num_free == 12 and not any(llm.blocks.ref_counts)
+    stats = llm.stats()
+    if host_blocks:
+        assert stats.swaps > 0 and stats.host_hits > 0 and stats.blocks_saved > 0
 
 
 def test_an_aborted_request_lets_go_of_its_blocks(tiny_dir):
@@ -161,7 +177,7 @@ def test_pool_pressure_reclaims_the_least_recently_used_first():
         cache.add([], table, seq, 4)
         blocks.free(table)
     assert blocks.num_free == 6 and len(blocks.reclaimable) == 4
-    hit = [block for block, _ in cache.match(a, 4)]
+    hit = [h.block for h in cache.match(a, 4)]
     blocks.share(hit)   # a is used again: b is now the least recently used
     blocks.free(hit)
     blocks.allocate(3)   # the 2 never-used blocks, then b's last block (a prefix's tail goes first)
@@ -182,7 +198,7 @@ def test_a_reclaimed_parent_orphans_its_children():
     [reused] = blocks.allocate(1)
     assert reused == parent and not cache.holds(parent) and cache.holds(child)
     cache.add([], [reused], [9, 9], 2)   # the parent's id holds other tokens
-    assert [block for block, _ in cache.match([9, 9, 3, 4], 4)] == [reused]   # not the child of [1, 2]
+    assert [h.block for h in cache.match([9, 9, 3, 4], 4)] == [reused]   # not the child of [1, 2]
     assert cache.match([1, 2, 3, 4], 4) == []
 
 

@@ -121,7 +121,7 @@ def test_32_concurrent_streams_share_steps_and_match_solo_outputs(server, refere
     health = wait_until_idle(base)
     assert health["largest_batch"] > 1, health
     assert health["free_blocks"] == health["total_blocks"], health
-    assert health["host_blocks"] == health["swaps"] == health["swapped_bytes"] == 0, health   # no host tier
+    assert health["host_blocks"] == health["swaps"] == health["host_copied_bytes"] == 0, health   # no host tier
 
 
 def test_a_client_that_disconnects_frees_its_request(server, monkeypatch):
