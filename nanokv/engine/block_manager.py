@@ -3,8 +3,18 @@ block manager only counts, it never touches tensors (the tensors are models/kv_c
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Callable
 
 from nanokv.engine.prefix_cache import PrefixCache
+
+
+def take(free: list[int], reclaimable: OrderedDict[int, None], reclaim: Callable[[int], None]) -> int:
+    """A free block, else the least recently used reclaimable one, whose contents reclaim lets go."""
+    if free:
+        return free.pop()
+    block = reclaimable.popitem(last=False)[0]
+    reclaim(block)
+    return block
 
 
 class BlockManager:
@@ -46,15 +56,9 @@ class BlockManager:
     def allocate(self, n: int) -> list[int]:
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} KV blocks, only {self.num_free} free")
-        blocks = []
-        for _ in range(n):
-            if self.free_blocks:
-                block = self.free_blocks.pop()
-            else:
-                block = self.reclaimable.popitem(last=False)[0]
-                self._spill(block)
+        blocks = [take(self.free_blocks, self.reclaimable, self._spill) for _ in range(n)]
+        for block in blocks:
             self.ref_counts[block] = 1
-            blocks.append(block)
         return blocks
 
     def share(self, blocks: list[int]) -> None:
@@ -95,15 +99,8 @@ class BlockManager:
         """n host blocks: free ones, then spilled cached ones, least recently used first."""
         if n > self.num_host_free:
             raise RuntimeError(f"asked for {n} host blocks, only {self.num_host_free} free")
-        blocks = []
-        for _ in range(n):
-            if self.free_host_blocks:
-                blocks.append(self.free_host_blocks.pop())
-            else:
-                block = self.host_reclaimable.popitem(last=False)[0]
-                self.cache.forget_host(block)
-                blocks.append(block)
-        return blocks
+        return [take(self.free_host_blocks, self.host_reclaimable, lambda block: self.cache.forget_host(block))
+                for _ in range(n)]
 
     def hold_host(self, blocks: list[int]) -> None:
         """Cached host blocks a step reads (a block once per reader): none is reclaimed until
