@@ -61,7 +61,7 @@ MODE_DEFAULTS = {
                  methods=["full", "batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "kvcompress", "ed"]),
     "gpu-report": {},
     "prefix": dict(num_requests=8, input_len=512, output_len=16),
-    "offload": dict(num_requests=64, methods=["full", "batchmax", "kvcompress"], budgets=[256], max_num_seqs=64,
+    "offload": dict(num_requests=16, methods=["full", "batchmax"], budgets=[256], max_num_seqs=64,
                     max_num_batched_tokens=4096),
 }
 

@@ -202,7 +202,7 @@ def test_host_mode_times_every_phase_per_decode_step(capsys):
 
 
 def test_offload_mode_swaps_where_the_tier_is_on(capsys):
-    records = bench.main(["--mode", "offload", "--num-requests", "6", "--methods", "full"])
+    records = bench.main(["--mode", "offload", "--random-weights", "tiny", "--num-requests", "6", "--methods", "full"])
     recompute, swap = records
     assert recompute["preemption_mode"] == "recompute" and recompute["preemptions"] > 0 == recompute["swaps"]
     assert swap["preemptions"] == swap["swaps"] > 0 and swap["swapped_gb"] > 0 and swap["swap_s"] > 0
