@@ -29,8 +29,7 @@ class BlockTables:
     def release(self, table: BlockTable) -> list[int]:
         """Give table's row back; returns the blocks it held (for the block manager to free)."""
         blocks = table.ids
-        if table.tables is self:
-            self._free_rows.append(table.row)
+        self._free_rows.append(table.row)
         table.tables, table.row, table.ids = None, -1, []
         return blocks
 

@@ -65,7 +65,11 @@ class ModelRunner:
             num_blocks = memory.pool_blocks(config, model_config, kv_dtype, device, self.uses_graphs,
                                             self.profile_forward)
             self.kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
-            host_blocks = int(config.kv_offload_gb * 1e9) // HostKVCache.bytes_per_block(self.kv_cache)
+            host_block_bytes = HostKVCache.bytes_per_block(self.kv_cache)
+            host_blocks = int(config.kv_offload_gb * 1e9) // host_block_bytes
+            if config.kv_offload_gb and not host_blocks:
+                raise ValueError(f"kv_offload_gb={config.kv_offload_gb} holds no KV block (one takes "
+                                 f"{host_block_bytes} bytes): give more, or 0 for no host tier")
             self.host_cache = HostKVCache(self.kv_cache, host_blocks)
             self.evictor = evict.Evictor(self.kv_cache)
             self.sampler = Sampler(device, config.seed)

@@ -110,6 +110,7 @@ def test_recompute_preemption_still_works_without_a_host_tier(tiny_dir):
     (dict(kv_offload_gb=-1), "kv_offload_gb"),
     (dict(kv_offload_gb=1e9), "kv_offload_gb"),
     (dict(kv_offload_gb="1"), "kv_offload_gb"),
+    (dict(kv_offload_gb=1e-9), "holds no KV block"),
     (dict(preemption_mode="spill"), "preemption_mode"),
     (dict(preemption_mode="swap"), "kv_offload_gb > 0"),
     (dict(preemption_mode="recompute", kv_offload_gb=1, enable_prefix_caching=False), "unused"),
