@@ -22,6 +22,11 @@ SHAPES = {
         architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024, intermediate_size=3072,
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True),
+    # multi-head (as many KV heads as query heads): a layer's input is half its K/V (KVPR pays)
+    "llama-2-7b": dict(
+        architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False),
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,

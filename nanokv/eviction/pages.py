@@ -91,7 +91,9 @@ def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor
     in_use = torch.arange(W, device=device) < kept[..., None]
     used = tables[in_use]                                   # (s, l, h, column) order
     leaving = ~torch.isin(used, staying)                    # pages are distinct: any sequence's staying will do
-    num_leaving = in_use.masked_scatter(in_use, leaving).flatten(1).sum(-1)   # [S]
+    leaves = torch.zeros_like(in_use)
+    leaves[in_use] = leaving
+    num_leaving = leaves.flatten(1).sum(-1)                 # [S]
     unused = ~torch.isin(staying, used)                     # [S, P]
     rank = unused.cumsum(-1) - 1                            # among a sequence's unused pages
     src, dst = used[leaving], staying[unused & (rank < num_leaving[:, None])]

@@ -8,6 +8,8 @@ tokens/s, time to first token and between tokens (p50 and p99 over the requests'
 streams), preemptions, swaps, the bytes copied and the time the copies took. On a CPU the
 "device" pool and the host tier are both in host memory: the table shows the mechanism
 and what recomputing costs against copying (--random-weights tiny: the bookkeeping alone).
+Then KVPR's split over a generation (the paper's Figure 12) on this machine's measured link
+and device, for a multi-head shape and two grouped-query ones (nanokv/engine/kvpr.py).
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ import torch
 from tqdm import tqdm
 
 from models import HostKVCache
+from models.shapes import shape_config
 from nanokv import LLM
+from nanokv.engine.kvpr import PositionCost, best_split, measure_link_and_device
 from nanokv.tools.tables import print_table
 from nanokv.tools.throughput import make_llm, method_list, run_context, sampling, workload
 
@@ -88,4 +92,24 @@ def bench_offload(args, save) -> list[dict]:
           f"{block_size} ({POOL_SHARE:.0%} of the {demand} the first {len(concurrent)} requests hold at once), "
           f"host tier {host_gb:.3f} GB ({HOST_TIMES}x)")
     print_table(rows, COLUMNS)
+    rows += kvpr_splits(llm.device, llm.dtype, save)
+    return rows
+
+
+def kvpr_splits(device: torch.device, dtype: torch.dtype, save, prompt: int = 128, new: int = 32) -> list[dict]:
+    """KVPR's best l at every 8th length of a generation of `new` tokens after `prompt` (the
+    paper's setting for its Figure 12), the link and the device measured here for each shape."""
+    lengths = list(range(prompt, prompt + new + 1, 8))
+    rows = []
+    print(f"\nKVPR's split: positions recomputed per layer (l of s), {str(dtype).removeprefix('torch.')} "
+          f"activations and K/V, this machine's link and device")
+    print(f"{'shape':<14} {'link GB/s':>9} {'TFLOP/s':>8}  " + "  ".join(f"s={s:<4}" for s in lengths))
+    for shape in ("llama-2-7b", "qwen3-0.6b", "llama-3.1-8b"):
+        model = shape_config(shape)
+        link, flops = measure_link_and_device(device, dtype, model.hidden_size, 2 * model.num_kv_heads * model.head_dim)
+        cost = PositionCost.of(model, dtype, dtype, False, link, flops)
+        rows.append(dict(mode="kvpr-split", shape=shape, link_gb_per_s=link / 1e9, tflops=flops / 1e12,
+                         lengths=lengths, splits=[best_split(s, cost) for s in lengths]))
+        save(rows[-1])
+        print(f"{shape:<14} {link / 1e9:>9.1f} {flops / 1e12:>8.3f}  " + "  ".join(f"{l:<6}" for l in rows[-1]["splits"]))
     return rows

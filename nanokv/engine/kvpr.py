@@ -1,0 +1,85 @@
+"""KVPR's split (its eq. 6-11), for K/V that lives in host memory and is needed on the device.
+
+For each layer, the first l of a sequence's s positions are recomputed on the device from
+their layer inputs (K = x W_k, V = x W_v, then the norms and RoPE of the forward pass),
+which crosses the link first, while the K/V of the other s - l crosses it. One layer takes
+
+    t(l) = l a + max(l c, (s - l) k)        (eq. 10, the batch folded into the per-position costs)
+
+with a = one position's layer input over the link, k = its K/V over the link and c = its
+recomputation on the device. The paper counts a multi-head model in one dtype (its eq. 6
+and 8: activations h p bytes, K/V 2 h p, 4 h^2 flops); here they are the model's real sizes:
+the input is h values of the activation dtype, K/V are 2 Hkv D values of the cache's dtype
+(and, quantized, two fp32 scales per head), recomputing is 2 h x 2 Hkv D flops.
+
+t falls with l while l c < (s - l) k if a < k, and rises after: the best l is 0 when a >= k
+(a grouped-query model whose layer input is larger than its K/V, or an 8-bit cache), else
+the crossing s k / (c + k), rounded to the better neighbour (best_split). What the link and
+the device do is measured once (measure_link_and_device).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from models import ModelConfig
+
+
+@dataclass(frozen=True)
+class PositionCost:
+    """Seconds per position of one layer: its layer input over the link (a), its K/V over the
+    link (k), recomputing its K/V on the device (c)."""
+    a: float
+    k: float
+    c: float
+
+    @classmethod
+    def of(cls, model: ModelConfig, act_dtype: torch.dtype, kv_dtype: torch.dtype, quantized: bool,
+           link_bytes_per_s: float, device_flops: float) -> PositionCost:
+        kv_bytes = 2 * model.num_kv_heads * model.head_dim * kv_dtype.itemsize
+        kv_bytes += 8 * model.num_kv_heads if quantized else 0   # a K and a V scale per head
+        flops = 2 * model.hidden_size * 2 * model.num_kv_heads * model.head_dim
+        return cls(model.hidden_size * act_dtype.itemsize / link_bytes_per_s, kv_bytes / link_bytes_per_s,
+                   flops / device_flops)
+
+    def layer_time(self, l: int, s: int) -> float:
+        """eq. 10: the inputs of l positions, then their recomputation beside the others' K/V."""
+        return l * self.a + max(l * self.c, (s - l) * self.k)
+
+
+def best_split(s: int, cost: PositionCost) -> int:
+    """The l in [0, s] that minimises layer_time (eq. 11), the smallest on a tie."""
+    if cost.a >= cost.k:
+        return 0
+    crossing = s * cost.k / (cost.c + cost.k)
+    candidates = {0, min(int(crossing), s), min(int(crossing) + 1, s)}
+    return min(sorted(candidates), key=lambda l: cost.layer_time(l, s))
+
+
+def measure_link_and_device(device: torch.device, dtype: torch.dtype, hidden: int,
+                            kv_width: int) -> tuple[float, float]:
+    """(bytes/s from host to device, flops/s of the K/V projection's matmul) on this machine:
+    a pinned 64 MB copy (on a CPU, a copy within memory) and a matmul of 1,024 positions,
+    each the best of three."""
+    def best(run) -> float:
+        run()
+        times = []
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    target = torch.empty_like(host, device=device)
+    link = host.numel() / best(lambda: target.copy_(host, non_blocking=True))
+    x = torch.randn(1024, hidden, dtype=dtype, device=device)
+    w = torch.randn(kv_width, hidden, dtype=dtype, device=device)
+    flops = 2 * 1024 * hidden * kv_width / best(lambda: torch.nn.functional.linear(x, w))
+    return link, flops
