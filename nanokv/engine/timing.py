@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 # schedule: which sequences run, how many tokens, who evicts; swap: blocks copied to and from
-# the host tier; evict: copies of cached blocks and the eviction surgery; prepare: the step's inputs; forward: the model and the logits of
-# the sampled rows (the device's work); sample: sampling and prompt logprobs; update: tokens
-# recorded, stops checked, blocks freed; outputs: detokenizing, stop strings, RequestOutputs.
+# the host tier; evict: copies of cached blocks and the eviction surgery; prepare: the step's
+# inputs; forward: the model and the logits of the sampled rows (the device's work); sample:
+# sampling and prompt logprobs; update: tokens recorded, stops checked, blocks freed; outputs:
+# detokenizing, stop strings, RequestOutputs.
 PHASES = ("schedule", "swap", "evict", "prepare", "forward", "sample", "update", "outputs")
 
 

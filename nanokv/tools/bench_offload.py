@@ -111,5 +111,6 @@ def kvpr_splits(device: torch.device, dtype: torch.dtype, save, prompt: int = 12
         rows.append(dict(mode="kvpr-split", shape=shape, link_gb_per_s=link / 1e9, tflops=flops / 1e12,
                          lengths=lengths, splits=[best_split(s, cost) for s in lengths]))
         save(rows[-1])
-        print(f"{shape:<14} {link / 1e9:>9.1f} {flops / 1e12:>8.3f}  " + "  ".join(f"{l:<6}" for l in rows[-1]["splits"]))
+        splits = "  ".join(f"{l:<6}" for l in rows[-1]["splits"])
+        print(f"{shape:<14} {link / 1e9:>9.1f} {flops / 1e12:>8.3f}  {splits}")
     return rows
