@@ -141,3 +141,16 @@ def test_a_chat_follow_up_is_served_from_the_host_tier(tiny_dir, follow_up):
     assert out.num_cached_tokens == 64 and llm.stats().host_hits == 4
     stats = llm.stats()
     assert stats.free_blocks == stats.total_blocks and stats.host_blocks_used == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["full", "kvcompress"])
+def test_swapping_on_a_gpu_gives_what_a_roomy_pool_gives(tiny_dir, method):
+    """Pinned host blocks, the copies across the link, decodes from CUDA graphs."""
+    roomy = engine(tiny_dir, device="cuda", num_kv_blocks=256).generate(prompts(), params(method))
+    llm = engine(tiny_dir, device="cuda", num_kv_blocks=9 if method != "full" else 14, kv_offload_gb=0.01)
+    assert llm.runner.host_cache.per_slot[0].is_pinned() and llm.runner.graphs is not None
+    outs = llm.generate(prompts(), params(method))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+    stats = llm.stats()
+    assert stats.swaps > 0 and stats.preemptions == stats.swaps and stats.host_blocks_used == 0
