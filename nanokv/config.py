@@ -14,7 +14,7 @@ from nanokv.eviction import EvictionSettings
 
 # kv_cache_dtype: "auto" is the model's dtype; the others quantize the cache (kernels/kv_store.py).
 KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8, "fp8": getattr(torch, "float8_e4m3fn", None)}
-PREEMPTION_MODES = ("swap", "recompute")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 
 
 def host_memory_gb() -> float:
@@ -46,7 +46,8 @@ class EngineConfig(EvictionSettings):
     kv_offload_gb: float = 0.0          # the host tier: KV blocks in host memory beside the pool (0: none),
                                         # for swapped sequences and prefix-cached blocks reclaimed from the pool
     preemption_mode: str | None = None  # a preempted sequence's K/V: "swap" to the host tier (exact, kept
-                                        # as it was) or "recompute" from its tokens; None: swap with a host tier
+                                        # as it was), "recompute" from its tokens, or "auto": swap when that is
+                                        # quicker (measured at start); None: auto with a host tier
 
     def __post_init__(self):
         check_type("model", self.model, (str,), "a model directory or hub id (str)", optional=True)
@@ -71,12 +72,12 @@ class EngineConfig(EvictionSettings):
         check_int("num_threads", self.num_threads, 1, optional=True)
         check_float("kv_offload_gb", self.kv_offload_gb, 0, host_memory_gb())
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES, optional=True)
-        if self.preemption_mode == "swap" and not self.kv_offload_gb:
-            raise ValueError("preemption_mode='swap' needs the host tier: give kv_offload_gb > 0")
+        if self.preemption_mode in ("auto", "swap") and not self.kv_offload_gb:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} needs the host tier: give kv_offload_gb > 0")
         if self.preemption_mode == "recompute" and self.kv_offload_gb and not self.enable_prefix_caching:
             raise ValueError(f"kv_offload_gb={self.kv_offload_gb} with preemption_mode='recompute' and no prefix "
                              "caching leaves the host tier unused: swapping and the prefix cache are what use it")
-        self.preemption_mode = self.preemption_mode or ("swap" if self.kv_offload_gb else "recompute")
+        self.preemption_mode = self.preemption_mode or ("auto" if self.kv_offload_gb else "recompute")
         if self.kv_cache_dtype == "fp8" and KV_CACHE_DTYPES["fp8"] not in QUANT_MAX:
             raise ValueError(f"kv_cache_dtype='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} "
                              "lacks; use 'int8' or 'auto'")

@@ -20,11 +20,12 @@ import torch
 from tqdm import tqdm
 
 import kernels
-from models import ModelConfig, shapes
+from models import HostKVCache, ModelConfig, shapes
 from models.loader import load_model, resolve_model_path
 from nanokv.checks import check_token_ids
 from nanokv.config import KV_CACHE_DTYPES, EngineConfig, resolve_dtype
 from nanokv.engine.block_manager import BlockManager
+from nanokv.engine.offload_costs import SwapCost, measure_link_and_device
 from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.sampler import FAILED
@@ -135,10 +136,20 @@ class LLM:
             cache = PrefixCache(self.config.block_size, (str(path or model), str(kv_dtype)))
         self.blocks = BlockManager(self.runner.kv_cache.num_blocks, self.config.block_size, cache,
                                    self.runner.host_cache.num_blocks)
-        self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path))
+        self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path), self._swap_cost())
         self.requests: dict[int, _Request] = {}
         self._ids = count()
         self._timings: Timings | None = None   # inside timing()
+
+    def _swap_cost(self) -> SwapCost | None:
+        """What preemption_mode "auto" weighs: a block's trip over this machine's link against a
+        token's recomputation at its matmul rate, measured once (nanokv/engine/offload_costs.py)."""
+        if self.config.preemption_mode != "auto":
+            return None
+        cfg = self.model_config
+        link, flops = measure_link_and_device(self.device, self.dtype, cfg.hidden_size,
+                                              2 * cfg.num_kv_heads * cfg.head_dim)
+        return SwapCost.of(cfg, HostKVCache.bytes_per_block(self.runner.kv_cache), link, flops)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

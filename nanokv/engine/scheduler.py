@@ -8,9 +8,10 @@ its peak: its prompt with a full cache, only its budget |kv| when it evicts
 as it reads the prompt (nanokv/eviction/). When a sequence needs a block
 and none is free, the most recently admitted sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue. With a
-host tier (preemption_mode "swap"), its blocks are first copied there, as
-they are, and copied back when it is admitted again; without one (or no
-room in it), it is recomputed from its tokens.
+host tier (preemption_mode "swap", or "auto" where moving its blocks is quicker
+than recomputing its tokens: offload_costs.py), its blocks are first copied
+there, as they are, and copied back when it is admitted again; otherwise (or
+with no room there) it is recomputed from its tokens.
 
 Prefix caching (prefix_cache.py): a sequence is admitted with the
 longest run of cached full blocks that starts its tokens already computed, as
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from nanokv.config import EngineConfig
 from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.block_table import BlockTables
+from nanokv.engine.offload_costs import SwapCost
 from nanokv.engine.prefix_cache import Hit
 from nanokv.engine.sequence import Sequence, Status, Swap
 
@@ -59,8 +61,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, blocks: BlockManager, eos_token_ids: set[int]):
-        self.config = config
+    def __init__(self, config: EngineConfig, blocks: BlockManager, eos_token_ids: set[int],
+                 swap_cost: SwapCost | None = None):
+        """swap_cost: what preemption_mode "auto" weighs."""
+        self.config, self.swap_cost = config, swap_cost
         self.blocks = blocks
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
@@ -201,7 +205,7 @@ class Scheduler:
         admitted in an earlier step: its blocks hold its K/V."""
         self.running.remove(seq)
         blocks = self.block_tables.release(seq.block_table)
-        if self.config.preemption_mode == "swap" and len(blocks) <= self.blocks.num_host_free:
+        if self._swaps(seq, len(blocks)):
             seq.swapped = Swap(seq, self.blocks.allocate_host(len(blocks)), blocks)
             batch.saves += zip(blocks, seq.swapped.host)
             self.num_swaps += 1
@@ -212,6 +216,11 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _swaps(self, seq: Sequence, num_blocks: int) -> bool:
+        mode = self.config.preemption_mode
+        return mode != "recompute" and num_blocks <= self.blocks.num_host_free and (
+            mode == "swap" or self.swap_cost.pays(num_blocks, seq.num_computed_tokens))
 
     def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[tuple[Sequence, str]]:
         """Record the step: tokens computed, blocks emptied by eviction, tokens sampled

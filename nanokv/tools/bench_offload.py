@@ -9,7 +9,7 @@ streams), preemptions, swaps, the bytes copied and the time the copies took. On 
 "device" pool and the host tier are both in host memory: the table shows the mechanism
 and what recomputing costs against copying (--random-weights tiny: the bookkeeping alone).
 Then KVPR's split over a generation (the paper's Figure 12) on this machine's measured link
-and device, for a multi-head shape and two grouped-query ones (nanokv/engine/kvpr.py).
+and device, for a multi-head shape and two grouped-query ones (nanokv.engine.offload_costs.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tqdm import tqdm
 from models import HostKVCache
 from models.shapes import shape_config
 from nanokv import LLM
-from nanokv.engine.kvpr import PositionCost, best_split, measure_link_and_device
+from nanokv.engine.offload_costs import PositionCost, best_split, measure_link_and_device
 from nanokv.tools.tables import print_table
 from nanokv.tools.throughput import make_llm, method_list, run_context, sampling, workload
 

@@ -42,7 +42,7 @@ def engine(tiny_dir, **options) -> LLM:
 def test_swapping_gives_what_a_roomy_pool_gives(tiny_dir, method, kv_cache_dtype):
     roomy = engine(tiny_dir, num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype).generate(prompts(), params(method))
     llm = engine(tiny_dir, num_kv_blocks=9 if method != "full" else 14, kv_offload_gb=0.01,
-                 kv_cache_dtype=kv_cache_dtype)
+                 kv_cache_dtype=kv_cache_dtype, preemption_mode="swap")
     outs = llm.generate(prompts(), params(method))
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
     for out, expected in zip(outs[1:], roomy[1:]):
@@ -85,6 +85,17 @@ def test_page_tables_follow_their_blocks(tiny_models):
     assert torch.equal(cache.move_pages(tables, [2, 4], [7, 0]), cache.pages(torch.tensor([0, 7, 9])))
 
 
+def test_auto_swaps_on_a_cpu(tiny_dir):
+    """On a CPU a block's copy is far quicker than its tokens' prefill: auto (the default with a
+    host tier) swaps, as swap does."""
+    llm = engine(tiny_dir, num_kv_blocks=14, kv_offload_gb=0.01)
+    assert llm.config.preemption_mode == "auto" and llm.scheduler.swap_cost.pays(1, 1)
+    outs = llm.generate(prompts(), params("full"))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in engine(tiny_dir, num_kv_blocks=256).generate(
+        prompts(), params("full"))]
+    assert llm.stats().swaps == llm.stats().preemptions > 0
+
+
 def test_an_aborted_swapped_sequence_gives_its_host_blocks_back(tiny_dir):
     llm = engine(tiny_dir, num_kv_blocks=9, kv_offload_gb=0.01)
     ids = [llm.add_request(p, q) for p, q in zip(prompts(), params("batchmax"))]
@@ -113,6 +124,7 @@ def test_recompute_preemption_still_works_without_a_host_tier(tiny_dir):
     (dict(kv_offload_gb=1e-9), "holds no KV block"),
     (dict(preemption_mode="spill"), "preemption_mode"),
     (dict(preemption_mode="swap"), "kv_offload_gb > 0"),
+    (dict(preemption_mode="auto"), "kv_offload_gb > 0"),
     (dict(preemption_mode="recompute", kv_offload_gb=1, enable_prefix_caching=False), "unused"),
 ])
 def test_bad_host_tier_settings_are_clear_errors(tiny_dir, options, message):

@@ -1,11 +1,12 @@
-"""KVPR's split against a brute-force scan of l, and on the shapes where it pays and where not."""
+"""KVPR's split against a brute-force scan of l, and on the shapes where it pays and where not;
+swapping against recomputing a preempted sequence."""
 import random
 
 import pytest
 import torch
 
 from models.shapes import shape_config
-from nanokv.engine.kvpr import PositionCost, best_split, measure_link_and_device
+from nanokv.engine.offload_costs import PositionCost, SwapCost, best_split, measure_link_and_device
 
 PCIE, H100 = 25e9, 4e14   # bytes/s host to device, flops/s: the order of a real GPU server
 
@@ -38,3 +39,15 @@ def test_an_8bit_cache_leaves_little_to_gain():
 def test_the_link_and_the_device_are_measured():
     link, flops = measure_link_and_device(torch.device("cpu"), torch.float32, 256, 128)
     assert link > 1e8 and flops > 1e8
+
+
+@pytest.mark.parametrize("shape, device_flops, swaps", [
+    ("llama-3.1-8b", H100, True),     # 128 kB of K/V a token over PCIe against 15 Gflop
+    ("smollm2-135m", H100, False),    # 23 kB against 0.2 Gflop: quicker to prefill again
+    ("smollm2-135m", 2e11, True),     # ... but not on a CPU
+])
+def test_a_swap_pays_where_moving_kv_is_quicker_than_recomputing(shape, device_flops, swaps):
+    model = shape_config(shape)
+    block_bytes = 16 * model.num_layers * 2 * model.num_kv_heads * model.head_dim * 2   # bf16, 16 tokens
+    cost = SwapCost.of(model, block_bytes, PCIE, device_flops)
+    assert cost.pays(num_blocks=64, num_tokens=64 * 16) == swaps

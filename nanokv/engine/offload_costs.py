@@ -1,6 +1,7 @@
-"""KVPR's split (its eq. 6-11), for K/V that lives in host memory and is needed on the device.
+"""Moving K/V over the link between host memory and the device against computing it again:
+whether a preempted sequence swaps (SwapCost), and KVPR's split (its eq. 6-11).
 
-For each layer, the first l of a sequence's s positions are recomputed on the device from
+KVPR: for K/V that lives in host memory and is needed on the device, for each layer, the first l of a sequence's s positions are recomputed on the device from
 their layer inputs (K = x W_k, V = x W_v, then the norms and RoPE of the forward pass),
 which crosses the link first, while the K/V of the other s - l crosses it. One layer takes
 
@@ -16,6 +17,12 @@ t falls with l while l c < (s - l) k if a < k, and rises after: the best l is 0 
 (a grouped-query model whose layer input is larger than its K/V, or an 8-bit cache), else
 the crossing s k / (c + k), rounded to the better neighbour (best_split). What the link and
 the device do is measured once (measure_link_and_device).
+
+Preemption: swapping moves a sequence's blocks over the link twice (out, and back), while
+recomputing runs its computed tokens through the model again, about 2 flops per parameter per
+token at the device's matmul rate (a prefill is compute-bound). Per token that is a few KB of
+K/V against billions of flops: a swap wins for any model on a CPU, and for large ones over
+PCIe; a small model on a fast GPU can prefill a token quicker than the link moves its K/V.
 """
 from __future__ import annotations
 
@@ -47,6 +54,24 @@ class PositionCost:
     def layer_time(self, l: int, s: int) -> float:
         """eq. 10: the inputs of l positions, then their recomputation beside the others' K/V."""
         return l * self.a + max(l * self.c, (s - l) * self.k)
+
+
+@dataclass(frozen=True)
+class SwapCost:
+    """Seconds to move one block over the link and to recompute one token."""
+    block_s: float
+    token_s: float
+
+    @classmethod
+    def of(cls, model: ModelConfig, block_bytes: int, link_bytes_per_s: float, device_flops: float) -> SwapCost:
+        """A token's recomputation: 2 flops per weight of the layers' projections it goes through."""
+        attention = model.hidden_size * (2 * model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+        params = model.num_layers * (attention + 3 * model.hidden_size * model.intermediate_size)
+        return cls(block_bytes / link_bytes_per_s, 2 * params / device_flops)
+
+    def pays(self, num_blocks: int, num_tokens: int) -> bool:
+        """Swapping num_blocks out and back is quicker than recomputing num_tokens."""
+        return 2 * num_blocks * self.block_s < num_tokens * self.token_s
 
 
 def best_split(s: int, cost: PositionCost) -> int:
