@@ -13,6 +13,7 @@ and device, for a multi-head shape and two grouped-query ones (nanokv.engine.off
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -74,6 +75,7 @@ def bench_offload(args, save) -> list[dict]:
     demand = sum(-(-(len(prompt) + n) // block_size) for prompt, n in concurrent)
     pool = max(int(demand * POOL_SHARE), -(-MAX_LEN // block_size))
     del sizing
+    gc.collect()
     host_gb = HOST_TIMES * pool * host_block_bytes / 1e9
     rows = []
     runs = [(method, mode) for method in method_list(args.methods, args.budgets, args.ed_budgets)
@@ -87,12 +89,16 @@ def bench_offload(args, save) -> list[dict]:
                          preemption_mode=mode, pool_blocks=pool, demand_blocks=demand, host_gb=host_gb,
                          **streamed_run(llm, batch)))
         save(rows[-1])
+        device, dtype = llm.device, llm.dtype
+        del llm   # before the next engine takes its memory
+        gc.collect()
+        torch.cuda.empty_cache()
     print(f"\noffload: {args.num_requests} requests (input and output lengths uniform in [100, 1024], EOS "
           f"ignored); {rows[0]['model']}, {rows[0]['dtype']}, {rows[0]['device']}; pool {pool} blocks of "
           f"{block_size} ({POOL_SHARE:.0%} of the {demand} the first {len(concurrent)} requests hold at once), "
           f"host tier {host_gb:.3f} GB ({HOST_TIMES}x)")
     print_table(rows, COLUMNS)
-    rows += kvpr_splits(llm.device, llm.dtype, save)
+    rows += kvpr_splits(device, dtype, save)
     return rows
 
 
