@@ -325,13 +325,15 @@ class LLM:
         self.scheduler.finish(seq, reason)
 
     def _emit(self, request: _Request, token: int, every_token: bool) -> RequestOutput | None:
-        """Detokenize the request's new token and check its stop strings; its output, if it
-        finished or every_token asks for one."""
+        """Detokenize the request's new tokens and check its stop strings; its output, if it
+        finished or every_token asks for one. With neither stop strings nor a caller waiting
+        for every token (generate), its text is decoded once, when it finishes."""
         seq = request.seq
-        if not (every_token or seq.is_finished or request.detokenizer or seq.params.stop):
+        if not (every_token or seq.is_finished or seq.params.stop):
             return None   # nothing to say yet, and no text to follow
         if request.detokenizer is not None:
-            request.text += request.detokenizer.add([token])
+            fed = len(request.detokenizer.ids) - seq.num_prompt_tokens
+            request.text += request.detokenizer.add(seq.output_token_ids[fed:])
             if seq.is_finished:   # no more tokens will complete a held-back partial character
                 request.text += request.detokenizer.flush()
         stops = seq.params.stop

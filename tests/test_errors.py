@@ -261,15 +261,22 @@ def assert_engine_is_clean(llm):
 
 
 def test_a_request_that_fails_while_detokenizing_ends_alone(llm, monkeypatch):
+    """Streamed, it fails at the token that breaks the detokenizer; under generate() its text
+    is decoded when it finishes, so it fails then, with all its tokens."""
     clean = llm.generate(PROMPTS, GREEDY)
     break_detokenizer(monkeypatch, PROMPTS[1], after=4)
     outs = llm.generate(PROMPTS, GREEDY)   # returns, with the failed request's output
-    broken = outs[1]
-    assert broken.finished and broken.finish_reason == "error"
-    assert broken.error == "RuntimeError: detokenizer broke"
-    assert broken.token_ids == clean[1].token_ids[:5] and clean[1].text.startswith(broken.text)
+    ids = [llm.add_request(p, GREEDY) for p in PROMPTS]
+    streamed = {}
+    while llm.has_unfinished():
+        streamed.update({o.request_id: o for o in llm.step() if o.finished})
+    for broken, tokens in ((outs[1], clean[1].token_ids), (streamed[ids[1]], clean[1].token_ids[:5])):
+        assert broken.finished and broken.finish_reason == "error"
+        assert broken.error == "RuntimeError: detokenizer broke"
+        assert broken.token_ids == tokens and clean[1].text.startswith(broken.text)
     for i in (0, 2):
-        assert (outs[i].token_ids, outs[i].text, outs[i].error) == (clean[i].token_ids, clean[i].text, None)
+        for out in (outs[i], streamed[ids[i]]):
+            assert (out.token_ids, out.text, out.error) == (clean[i].token_ids, clean[i].text, None)
     assert_engine_is_clean(llm)
     monkeypatch.undo()
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in clean]

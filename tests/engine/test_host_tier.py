@@ -86,10 +86,10 @@ def test_page_tables_follow_their_blocks(tiny_models):
 
 
 def test_auto_swaps_on_a_cpu(tiny_dir):
-    """On a CPU a block's copy is far quicker than its tokens' prefill: auto (the default with a
-    host tier) swaps, as swap does."""
+    """On a CPU a block's copy is quicker than its tokens' prefill, even for this tiny model (by
+    about 16 times): auto (the default with a host tier) swaps, as swap does."""
     llm = engine(tiny_dir, num_kv_blocks=14, kv_offload_gb=0.01)
-    assert llm.config.preemption_mode == "auto" and llm.scheduler.swap_cost.pays(1, 1)
+    assert llm.config.preemption_mode == "auto" and llm.scheduler.swap_cost.pays(1, 16)
     outs = llm.generate(prompts(), params("full"))
     assert [o.token_ids for o in outs] == [o.token_ids for o in engine(tiny_dir, num_kv_blocks=256).generate(
         prompts(), params("full"))]
@@ -97,7 +97,7 @@ def test_auto_swaps_on_a_cpu(tiny_dir):
 
 
 def test_an_aborted_swapped_sequence_gives_its_host_blocks_back(tiny_dir):
-    llm = engine(tiny_dir, num_kv_blocks=9, kv_offload_gb=0.01)
+    llm = engine(tiny_dir, num_kv_blocks=9, kv_offload_gb=0.01, preemption_mode="swap")
     ids = [llm.add_request(p, q) for p, q in zip(prompts(), params("batchmax"))]
     while llm.stats().host_blocks_used == 0:
         llm.step()
@@ -160,7 +160,8 @@ def test_a_chat_follow_up_is_served_from_the_host_tier(tiny_dir, follow_up):
 def test_swapping_on_a_gpu_gives_what_a_roomy_pool_gives(tiny_dir, method):
     """Pinned host blocks, the copies across the link, decodes from CUDA graphs."""
     roomy = engine(tiny_dir, device="cuda", num_kv_blocks=256).generate(prompts(), params(method))
-    llm = engine(tiny_dir, device="cuda", num_kv_blocks=9 if method != "full" else 14, kv_offload_gb=0.01)
+    llm = engine(tiny_dir, device="cuda", num_kv_blocks=9 if method != "full" else 14, kv_offload_gb=0.01,
+                 preemption_mode="swap")
     assert llm.runner.host_cache.per_slot[0].is_pinned() and llm.runner.graphs is not None
     outs = llm.generate(prompts(), params(method))
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]

@@ -122,7 +122,7 @@ def test_random_workload_with_preemption_keeps_the_books(tiny_dir, host_blocks):
     if host_blocks:
         gb = host_blocks * HostKVCache.bytes_per_block(llm.runner.kv_cache) / 1e9
         llm = engine(tiny_dir, True, num_kv_blocks=12, max_model_len=160, max_num_seqs=16, max_num_batched_tokens=48,
-                     kv_offload_gb=gb)
+                     kv_offload_gb=gb, preemption_mode="swap")
         assert llm.blocks.num_host_blocks == host_blocks
     ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
     got = {}
