@@ -27,6 +27,7 @@ class _ChoiceStream:
     text: int = 0      # characters
     tokens: int = 0    # of Shown.token_ids
     text_offsets: IncrementalDetokenizer | None = None   # the sent tokens' text, for text_offset
+    prompt_text: str | None = None   # with echo: the prompt decoded once, not for every chunk
 
 
 class Responder:
@@ -43,7 +44,7 @@ class Responder:
     def whole(self, outs: list[RequestOutput]) -> dict:
         choices = []
         for index, out in enumerate(outs):
-            shown = self._shown(out)
+            shown = self._shown(index, out)
             choice = {"index": index, "logprobs": self._logprobs(index, shown), "finish_reason": self._reason(out)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": shown.text}
@@ -58,7 +59,7 @@ class Responder:
 
     def chunk(self, index: int, out: RequestOutput) -> dict | None:
         """The chunk of what choice index shows now and has not sent; None when nothing is new."""
-        shown, sent = self._shown(out), self.sent[index]
+        shown, sent = self._shown(index, out), self.sent[index]
         text, new_tokens = shown.text[sent.text:], len(shown.token_ids) > sent.tokens
         if not (text or out.finished or (new_tokens and self.parsed.logprobs is not None)):
             return None
@@ -77,12 +78,14 @@ class Responder:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}}
 
-    def _shown(self, out: RequestOutput) -> Shown:
-        """What the client sees of out: with echo the prompt first (its first token has no
-        log-probability); with max_tokens 0 nothing of the one token the engine ran."""
+    def _shown(self, index: int, out: RequestOutput) -> Shown:
+        """What the client sees of choice index's out: with echo the prompt first (its first
+        token has no log-probability); with max_tokens 0 nothing of the one token the engine ran."""
         if self.parsed.echo:
-            prompt = out.prompt_token_ids
-            shown = Shown(self._decode(prompt), list(prompt), list(out.prompt_logprobs or []))
+            prompt, sent = out.prompt_token_ids, self.sent[index]
+            if sent.prompt_text is None:
+                sent.prompt_text = self._decode(prompt)
+            shown = Shown(sent.prompt_text, list(prompt), list(out.prompt_logprobs or []))
         else:
             shown = Shown("", [], context=out.prompt_token_ids)
         if not self.parsed.prompt_only:
