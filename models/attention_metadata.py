@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import DecodeWorkspace
+from models.host_stream import HostStream
 
 
 @dataclass
@@ -30,3 +31,4 @@ class AttentionMetadata:
     square_scores: torch.Tensor | None = None  # [B] bool: the sequence adds squared probabilities (None: none does)
     score_skip: torch.Tensor | None = None  # [B] int32: queries add nothing to keys fewer positions before (KVC-full)
     decode_workspace: DecodeWorkspace | None = None  # flash-decoding's scratch, allocated once (None: per call)
+    host_stream: HostStream | None = None  # K/V from the host tier and layer inputs kept there (None: no traffic)

@@ -44,8 +44,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                cache: KVCache, meta: AttentionMetadata, cpu_plan: kernels.StepPlan | None) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+        """q [T, Hq, D], k and v [T, Hkv, D] of layer inputs x [T, hidden] at positions [T]."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -54,7 +54,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         kernels.apply_rope(q, k, positions, cos_sin)  # before caching: a kept key keeps its position
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                cache: KVCache, meta: AttentionMetadata, cpu_plan: kernels.StepPlan | None) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.project(x, positions, cos_sin)
         i = self.layer_idx   # the pool serves every layer: this layer's pages come from its tables
+        if meta.host_stream is not None:   # K/V of pages staged from the host tier (models/host_stream.py)
+            meta.host_stream.before_attention(i, x, self, cos_sin)
         kernels.store_kv(k, v, cache.k, cache.v, cache.positions, cache.scores,
                          meta.slot_mapping[i], positions, kv_scales=cache.kv_scales)
         out = kernels.paged_attention(q, cache.k, cache.v, meta.page_tables[i], meta.cu_seqlens_q,
@@ -119,6 +127,8 @@ class Decoder(nn.Module):
                                      x.dtype, meta.accumulate_scores)
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin, cache, meta, cpu_plan)
+        if meta.host_stream is not None:
+            meta.host_stream.finish()
         x, _ = self.norm(x, residual)
         return x
 

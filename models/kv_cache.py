@@ -97,13 +97,19 @@ class HostKVCache:
     """The host tier: whole blocks of the pool in host memory (pinned when the pool is on CUDA),
     each with everything its slots carry (KVCache.per_slot). Host block b holds, per buffer,
     the block's L x Hkv pages: [num_blocks, L, Hkv, bs, ...]. Which host blocks are free:
-    nanokv/engine/block_manager.py."""
+    nanokv/engine/block_manager.py.
 
-    def __init__(self, cache: KVCache, num_blocks: int):
+    For decoding from the host with partial recomputation (models/host_stream.py) it also
+    keeps the layer inputs of the first positions of every running sequence, by the row of
+    its block table: layer_inputs [rows, L, positions, hidden] in the model's dtype."""
+
+    def __init__(self, cache: KVCache, num_blocks: int, layer_inputs: tuple[int, ...] = (0, 0, 0, 0),
+                 dtype: torch.dtype = torch.float32):
         self.cache, self.num_blocks = cache, num_blocks
         pinned = cache.k.device.type == "cuda"
         self.per_slot = tuple(torch.zeros(num_blocks, cache.num_layers, cache.num_kv_heads, *buffer.shape[1:],
                                           dtype=buffer.dtype, pin_memory=pinned) for buffer in cache.per_slot)
+        self.layer_inputs = torch.zeros(layer_inputs, dtype=dtype, pin_memory=pinned)
 
     @staticmethod
     def bytes_per_block(cache: KVCache) -> int:
@@ -125,9 +131,13 @@ class HostKVCache:
     def load(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         """Copy host_blocks into the pool's device_blocks: per buffer, one gather on the host
         and one transfer."""
-        device = self.cache.k.device
         pages = self._pages(device_blocks)
         rows = torch.tensor(host_blocks)
         for host, buffer in zip(self.per_slot, self.cache.per_slot):
-            staged = host[rows]
-            buffer[pages] = (staged.pin_memory() if device.type == "cuda" else staged).to(device, non_blocking=True)
+            buffer[pages] = self.to_device(host[rows])
+
+    def to_device(self, staged: torch.Tensor) -> torch.Tensor:
+        """A tensor gathered on the host, on the pool's device (on CUDA through pinned memory,
+        so that the host need not wait for the transfer)."""
+        device = self.cache.k.device
+        return (staged.pin_memory() if device.type == "cuda" else staged).to(device, non_blocking=True)

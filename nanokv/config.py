@@ -48,6 +48,12 @@ class EngineConfig(EvictionSettings):
     preemption_mode: str | None = None  # a preempted sequence's K/V: "swap" to the host tier (exact, kept
                                         # as it was), "recompute" from its tokens, or "auto": swap when that is
                                         # quicker (measured at start); None: auto with a host tier
+    decode_from_host: bool = False      # when the pool runs short, running sequences that never evict move
+                                        # their full blocks to the host tier and go on decoding, their K/V
+                                        # streamed back layer by layer, before anyone is preempted (KVPR)
+    partial_recompute: bool = True      # decoding from the host: the first positions' K/V recomputed from
+                                        # their layer inputs instead of moved, where that is quicker (KVPR's
+                                        # split, from the link and device measured at start); False: all moved
 
     def __post_init__(self):
         check_type("model", self.model, (str,), "a model directory or hub id (str)", optional=True)
@@ -72,11 +78,16 @@ class EngineConfig(EvictionSettings):
         check_int("num_threads", self.num_threads, 1, optional=True)
         check_float("kv_offload_gb", self.kv_offload_gb, 0, host_memory_gb())
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES, optional=True)
+        check_bool("decode_from_host", self.decode_from_host)
+        check_bool("partial_recompute", self.partial_recompute)
+        if self.decode_from_host and not self.kv_offload_gb:
+            raise ValueError("decode_from_host=True needs the host tier: give kv_offload_gb > 0")
         if self.preemption_mode in ("auto", "swap") and not self.kv_offload_gb:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} needs the host tier: give kv_offload_gb > 0")
-        if self.preemption_mode == "recompute" and self.kv_offload_gb and not self.enable_prefix_caching:
-            raise ValueError(f"kv_offload_gb={self.kv_offload_gb} with preemption_mode='recompute' and no prefix "
-                             "caching leaves the host tier unused: swapping and the prefix cache are what use it")
+        if self.preemption_mode == "recompute" and self.kv_offload_gb and not (self.enable_prefix_caching
+                                                                                or self.decode_from_host):
+            raise ValueError(f"kv_offload_gb={self.kv_offload_gb} with preemption_mode='recompute', no prefix caching "
+                             "and no decode_from_host leaves the host tier unused: those three are what use it")
         self.preemption_mode = self.preemption_mode or ("auto" if self.kv_offload_gb else "recompute")
         if self.kv_cache_dtype == "fp8" and KV_CACHE_DTYPES["fp8"] not in QUANT_MAX:
             raise ValueError(f"kv_cache_dtype='fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} "

@@ -25,7 +25,7 @@ from models.loader import load_model, resolve_model_path
 from nanokv.checks import check_token_ids
 from nanokv.config import KV_CACHE_DTYPES, EngineConfig, resolve_dtype
 from nanokv.engine.block_manager import BlockManager
-from nanokv.engine.offload_costs import SwapCost, measure_link_and_device
+from nanokv.engine.offload_costs import PositionCost, SwapCost, measure_link_and_device
 from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.sampler import FAILED
@@ -79,6 +79,10 @@ class EngineStats:
     blocks_saved: int = 0    # since the engine started: copied to the host tier (swapped out, cached blocks spilled)
     blocks_loaded: int = 0   # and from it (swapped back in, cached blocks found there)
     host_hits: int = 0       # cached blocks found in the host tier
+    offloaded_blocks: int = 0    # decode_from_host: host blocks the running sequences decode from now,
+    blocks_offloaded: int = 0    # and since the engine started: blocks they moved there,
+    blocks_streamed: int = 0     # blocks copied back for a step's layers (each step counts its own),
+    positions_recomputed: int = 0  # positions whose K/V a step recomputed instead
 
 
 @dataclass
@@ -130,26 +134,36 @@ class LLM:
             self.config.max_model_len = self._max_model_len()
             decoder = load_model(path, self.model_config, self.dtype, device, self.config.max_model_len)
         self.kv_dtype = kv_dtype = KV_CACHE_DTYPES[self.config.kv_cache_dtype] or self.dtype
-        self.runner = ModelRunner(self.config, decoder, self.dtype, device, kv_dtype)
+        link_and_device = self._measure_link_and_device()
+        position_cost = None
+        if cfg.decode_from_host and cfg.partial_recompute:
+            position_cost = PositionCost.of(self.model_config, self.dtype, kv_dtype, kv_dtype in kernels.QUANT_MAX,
+                                            *link_and_device)
+        self.runner = ModelRunner(self.config, decoder, self.dtype, device, kv_dtype, position_cost)
         cache = None
         if self.config.enable_prefix_caching:   # a block's contents depend on the model and the cache's dtype
             cache = PrefixCache(self.config.block_size, (str(path or model), str(kv_dtype)))
-        self.blocks = BlockManager(self.runner.kv_cache.num_blocks, self.config.block_size, cache,
+        self.blocks = BlockManager(self.runner.num_pool_blocks, self.config.block_size, cache,
                                    self.runner.host_cache.num_blocks)
-        self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path), self._swap_cost())
+        swap_cost = None
+        if cfg.preemption_mode == "auto":
+            swap_cost = SwapCost.of(self.model_config, HostKVCache.bytes_per_block(self.runner.kv_cache),
+                                    *link_and_device)
+        self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path), swap_cost,
+                                   len(self.runner.staging_pages))
         self.requests: dict[int, _Request] = {}
         self._ids = count()
         self._timings: Timings | None = None   # inside timing()
 
-    def _swap_cost(self) -> SwapCost | None:
-        """What preemption_mode "auto" weighs: a block's trip over this machine's link against a
-        token's recomputation at its matmul rate, measured once (nanokv/engine/offload_costs.py)."""
-        if self.config.preemption_mode != "auto":
+    def _measure_link_and_device(self) -> tuple[float, float] | None:
+        """What preemption_mode "auto" and decoding from the host weigh: this machine's link and
+        matmul rate, measured once (nanokv/engine/offload_costs.py); None if nothing weighs them."""
+        cfg = self.config
+        if cfg.preemption_mode != "auto" and not (cfg.decode_from_host and cfg.partial_recompute):
             return None
-        cfg = self.model_config
-        link, flops = measure_link_and_device(self.device, self.dtype, cfg.hidden_size,
-                                              2 * cfg.num_kv_heads * cfg.head_dim)
-        return SwapCost.of(cfg, HostKVCache.bytes_per_block(self.runner.kv_cache), link, flops)
+        model = self.model_config
+        return measure_link_and_device(self.device, self.dtype, model.hidden_size,
+                                       2 * model.num_kv_heads * model.head_dim)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -241,7 +255,9 @@ class LLM:
                            blocks.num_free, blocks.num_blocks, blocks.block_size, self.runner.kv_cache.block_bytes,
                            sched.num_preemptions, copy.deepcopy(self._timings), sched.num_swaps,
                            host.num_blocks - blocks.num_host_free, len(blocks.host_reclaimable), host.num_blocks,
-                           host.bytes_per_block(self.runner.kv_cache), *sched.host_copies, sched.host_hits)
+                           host.bytes_per_block(self.runner.kv_cache), *sched.host_copies, sched.host_hits,
+                           sum(len(seq.offloaded) for seq in sched.running), sched.num_offloaded,
+                           self.runner.blocks_streamed, self.runner.positions_recomputed)
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[Timings]:

@@ -1,4 +1,5 @@
-"""Tiny random checkpoints of every supported family, written as HF directories."""
+"""Tiny random checkpoints of every supported family, written as HF directories, and a small
+workload that outgrows a small pool."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from nanokv import SamplingParams
 
 VOCAB = 300   # 256 byte tokens + 2 specials, padded: ids 258..299 exist only in the model
 
@@ -59,3 +62,22 @@ def make_tiny_model(path: Path, family: str, tied: bool = False, seed: int = 0,
     model.save_pretrained(path, **kwargs)
     write_byte_tokenizer(path)
     return model
+
+
+def preemption_prompts() -> list[list[int]]:
+    """Six prompts, two of them sharing their first 32 tokens (prefix-cached blocks swap too)."""
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (40, 70, 55, 60, 33, 61)]
+    ids[3][:32] = ids[1][:32]
+    return ids
+
+
+def preemption_params(method: str) -> list[SamplingParams]:
+    """A full-cache request that grows (it preempts the newer ones), then five of method."""
+    full = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    if method == "full":
+        return [full] * 6
+    window = dict(kv_window=8) if method == "snapkv" else {}
+    evicting = SamplingParams(temperature=0, max_tokens=45, ignore_eos=True, kv_method=method, kv_budget=32,
+                              evict_every=16, return_kept_positions=True, **window)
+    return [full] + [evicting] * 5

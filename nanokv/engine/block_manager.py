@@ -99,8 +99,12 @@ class BlockManager:
         """n host blocks: free ones, then spilled cached ones, least recently used first."""
         if n > self.num_host_free:
             raise RuntimeError(f"asked for {n} host blocks, only {self.num_host_free} free")
-        return [take(self.free_host_blocks, self.host_reclaimable, lambda block: self.cache.forget_host(block))
-                for _ in range(n)]
+        return [take(self.free_host_blocks, self.host_reclaimable, self._reclaim_host) for _ in range(n)]
+
+    def _reclaim_host(self, block: int) -> None:
+        """A spilled cached block reclaimed, perhaps in the step that spills it: that copy is off."""
+        self.cache.forget_host(block)
+        self.spills = [spill for spill in self.spills if spill[1] != block]
 
     def hold_host(self, blocks: list[int]) -> None:
         """Cached host blocks a step reads (a block once per reader): none is reclaimed until

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+OFFLOADED = -1   # the id of a block whose pairs are in the host tier (Sequence.offloaded)
+
 
 class BlockTables:
     """One row of block ids per running sequence: [num_rows, max_blocks] int32. Only a row's
@@ -27,8 +29,8 @@ class BlockTables:
         return table
 
     def release(self, table: BlockTable) -> list[int]:
-        """Give table's row back; returns the blocks it held (for the block manager to free)."""
-        blocks = table.ids
+        """Give table's row back; returns the device blocks it held (for the block manager to free)."""
+        blocks = [block for block in table.ids if block != OFFLOADED]
         self._free_rows.append(table.row)
         table.tables, table.row, table.ids = None, -1, []
         return blocks
@@ -62,6 +64,15 @@ class BlockTable:
                                f"{self.tables.ids.shape[1]} that max_model_len needs")
         self.ids += blocks
         self.tables.ids[self.row, start:start + len(blocks)] = blocks
+
+    def offload(self, stop: int) -> list[int]:
+        """The blocks before column stop leave the device (their pairs go to the host tier):
+        returns those that had not yet, marked OFFLOADED in the list from now on. The row keeps
+        their ids: stale entries must be real blocks' (the runner stages pages there)."""
+        start = self.ids.count(OFFLOADED)
+        gone = self.ids[start:stop]
+        self.ids[start:stop] = [OFFLOADED] * len(gone)
+        return gone
 
     def cut(self, num_kept: int) -> list[int]:
         """Keep the first num_kept blocks; returns the others."""

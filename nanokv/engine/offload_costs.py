@@ -11,7 +11,8 @@ with a = one position's layer input over the link, k = its K/V over the link and
 recomputation on the device. The paper counts a multi-head model in one dtype (its eq. 6
 and 8: activations h p bytes, K/V 2 h p, 4 h^2 flops); here they are the model's real sizes:
 the input is h values of the activation dtype, K/V are 2 Hkv D values of the cache's dtype
-(and, quantized, two fp32 scales per head), recomputing is 2 h x 2 Hkv D flops.
+(and, quantized, two fp32 scales per head), recomputing is the layer's fused projection,
+2 h x (Hq + 2 Hkv) D flops (the q part is computed too, and dropped).
 
 t falls with l while l c < (s - l) k if a < k, and rises after: the best l is 0 when a >= k
 (a grouped-query model whose layer input is larger than its K/V, or an 8-bit cache), else
@@ -47,7 +48,7 @@ class PositionCost:
            link_bytes_per_s: float, device_flops: float) -> PositionCost:
         kv_bytes = 2 * model.num_kv_heads * model.head_dim * kv_dtype.itemsize
         kv_bytes += 8 * model.num_kv_heads if quantized else 0   # a K and a V scale per head
-        flops = 2 * model.hidden_size * 2 * model.num_kv_heads * model.head_dim
+        flops = 2 * model.hidden_size * (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
         return cls(model.hidden_size * act_dtype.itemsize / link_bytes_per_s, kv_bytes / link_bytes_per_s,
                    flops / device_flops)
 

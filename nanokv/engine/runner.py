@@ -14,11 +14,12 @@ import numpy as np
 import torch
 
 import kernels
-from models import AttentionMetadata, Decoder, HostKVCache, KVCache
+from models import AttentionMetadata, Decoder, HostKVCache, HostStream, KVCache
 from nanokv.config import EngineConfig
 from nanokv.engine import evict, memory
 from nanokv.engine.block_table import BlockTables
 from nanokv.engine.cuda_graphs import DecodeGraphs
+from nanokv.engine.offload_costs import PositionCost, best_split
 from nanokv.engine.sampler import FAILED, Sampler, token_logprobs
 from nanokv.engine.scheduler import ScheduledBatch
 from nanokv.engine.sequence import HeadPages, Sequence
@@ -27,6 +28,7 @@ from nanokv.eviction import AverageAttention, KVMethod
 from nanokv.sampling_params import SamplingParams
 
 LOGPROB_SLICE = 512       # prompt rows turned into vocabulary logits at a time
+STAGING_SHARE = 0.25      # of the pool, at most, stages K/V decoded from the host tier
 
 
 def on_device(device: torch.device):
@@ -49,8 +51,9 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Decoder, dtype: torch.dtype, device: torch.device,
-                 kv_dtype: torch.dtype):
-        """dtype: the model's; kv_dtype: the KV cache's (dtype, or int8 / fp8 for a quantized cache)."""
+                 kv_dtype: torch.dtype, position_cost: PositionCost | None = None):
+        """dtype: the model's; kv_dtype: the KV cache's (dtype, or int8 / fp8 for a quantized cache);
+        position_cost: what decoding from the host tier weighs (None: no partial recomputation)."""
         self.config, self.device, self.dtype, self.kv_dtype = config, device, dtype, kv_dtype
         self.block_size = config.block_size
         self.model = model
@@ -65,18 +68,42 @@ class ModelRunner:
             num_blocks = memory.pool_blocks(config, model_config, kv_dtype, device, self.uses_graphs,
                                             self.profile_forward)
             self.kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
-            host_block_bytes = HostKVCache.bytes_per_block(self.kv_cache)
-            host_blocks = int(config.kv_offload_gb * 1e9) // host_block_bytes
-            if config.kv_offload_gb and not host_blocks:
-                raise ValueError(f"kv_offload_gb={config.kv_offload_gb} holds no KV block (one takes "
-                                 f"{host_block_bytes} bytes): give more, or 0 for no host tier")
-            self.host_cache = HostKVCache(self.kv_cache, host_blocks)
+            self.host_cache = self._host_tier(position_cost)
             self.evictor = evict.Evictor(self.kv_cache)
             self.sampler = Sampler(device, config.seed)
             self.graphs = None
             if self.uses_graphs:
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.decode_workspace, config.max_num_seqs,
                                            -(-config.max_model_len // config.block_size), config.max_model_len)
+
+    def _host_tier(self, cost: PositionCost | None) -> HostKVCache:
+        """The host tier of kv_offload_gb, and for decoding from it the pool's staging blocks
+        (the last ones: enough to stage any layer of every host block, 1/L of the tier, but at
+        most STAGING_SHARE of the pool: their L pages each stage one offloaded block) and the
+        layer inputs of the first input_positions positions of every running sequence, as many
+        as KVPR's split may recompute at max_model_len (at most half of the tier)."""
+        config, model, bs = self.config, self.model.config, self.block_size
+        budget = int(config.kv_offload_gb * 1e9)
+        self.split = (lambda s: best_split(s, cost)) if config.partial_recompute and cost else (lambda s: 0)
+        per_position = config.max_num_seqs * model.num_layers * model.hidden_size * self.dtype.itemsize
+        self.input_positions = min(self.split(config.max_model_len), budget // 2 // per_position) // bs * bs
+        block_bytes = HostKVCache.bytes_per_block(self.kv_cache)
+        num_blocks = (budget - self.input_positions * per_position) // block_bytes
+        if config.kv_offload_gb and not num_blocks:
+            raise ValueError(f"kv_offload_gb={config.kv_offload_gb} holds no KV block (one takes "
+                             f"{block_bytes} bytes): give more, or 0 for no host tier")
+        staging = 0
+        if config.decode_from_host:
+            staging = min(-(-num_blocks // model.num_layers), int(self.kv_cache.num_blocks * STAGING_SHARE))
+        self.num_pool_blocks = self.kv_cache.num_blocks - staging
+        if self.num_pool_blocks * bs < config.max_model_len:
+            raise ValueError(f"decode_from_host stages in {staging} of the {self.kv_cache.num_blocks} KV blocks, "
+                             f"leaving too few for max_model_len={config.max_model_len}: give the pool more")
+        pages = self.kv_cache.pages(torch.arange(self.num_pool_blocks, self.kv_cache.num_blocks, device=self.device))
+        self.staging_pages = pages.transpose(1, 2).reshape(-1, model.num_kv_heads)   # [L x staging, Hkv]
+        self.blocks_streamed = self.positions_recomputed = 0
+        inputs = (config.max_num_seqs, model.num_layers, self.input_positions, model.hidden_size)
+        return HostKVCache(self.kv_cache, num_blocks, inputs if self.input_positions else (0, 0, 0, 0), self.dtype)
 
     @torch.inference_mode()
     def profile_forward(self, lengths: list[int]) -> None:
@@ -130,6 +157,7 @@ class ModelRunner:
                               dtype=np.int64, count=cu_seqlens[-1])
         positions = np.array(starts)[row_seq] + n[row_seq] - from_end   # true positions, also after eviction
         tables, lens, max_context_len = self._step_pages(seqs, n, cache or self.kv_cache)
+        host_stream = self._host_stream(seqs, starts, num_new, cu_seqlens, tables) if cache is None else None
         methods = [seq.method for seq in seqs]
         scores = any(m.needs_scores for m in methods)
         squares = scores and any(m.squares_scores for m in methods)
@@ -143,8 +171,51 @@ class ModelRunner:
             score_from=self._array([m.score_from(seq) for m, seq in zip(methods, seqs)], np.int32) if scores else None,
             square_scores=self._array([m.squares_scores for m in methods], np.bool_) if squares else None,
             score_skip=self._array([m.score_skip for m in methods], np.int32) if skips else None,
-            decode_workspace=self.decode_workspace)
+            decode_workspace=self.decode_workspace, host_stream=host_stream)
         return step
+
+    def _host_stream(self, seqs: list[Sequence], starts: list[int], num_new: list[int], cu_seqlens: list[int],
+                     tables: torch.Tensor) -> HostStream | None:
+        """The step's traffic with the host tier (models/host_stream.py), None if it has none.
+        A sequence decoding from the host gets staging pages for its offloaded blocks in every
+        layer's tables; of those blocks, the first ones whose positions' layer inputs were kept,
+        as many as KVPR's split says, are recomputed, the others copied. Prompt rows keep their
+        layer inputs up to input_positions, when every position before them has."""
+        bs, staged = self.block_size, 0
+        copied, copied_pages, recomputed_pages = [], [], []
+        inputs, keep_rows, keep_at = ([], []), [], ([], [])   # (store row, position) each
+        for b, seq in enumerate(seqs):
+            row = seq.block_table.row
+            if seq.offloaded:
+                k = len(seq.offloaded)
+                pages = self.staging_pages[staged:staged + k]
+                staged += k
+                tables[:, b, :, :k] = pages.T
+                recomputed = min(self.split(k * bs), seq.num_kept_inputs) // bs
+                copied += seq.offloaded[recomputed:]
+                copied_pages.append(pages[recomputed:])
+                recomputed_pages.append(pages[:recomputed])
+                inputs[0].extend([row] * recomputed * bs)
+                inputs[1].extend(range(recomputed * bs))
+            elif self.input_positions and seq.method.shares_blocks \
+                    and seq.num_kept_inputs == starts[b] < min(self.input_positions, seq.num_prompt_tokens):
+                end = min(starts[b] + num_new[b], self.input_positions, seq.num_prompt_tokens)
+                keep_rows += range(cu_seqlens[b], cu_seqlens[b] + end - starts[b])
+                keep_at[0].extend([row] * (end - starts[b]))
+                keep_at[1].extend(range(starts[b], end))
+                seq.num_kept_inputs = end
+        if not staged and not keep_rows:
+            return None
+        self.blocks_streamed += len(copied)
+        self.positions_recomputed += len(inputs[1])
+        heads = self.staging_pages.shape[1]
+        pages = torch.cat(recomputed_pages) if recomputed_pages else self.staging_pages[:0]
+        slots = (pages.long() * bs)[:, None] + torch.arange(bs, device=self.device)[None, :, None]   # [n, bs, Hkv]
+        as_tensors = [torch.tensor(index, dtype=torch.long) for index in inputs + keep_at]
+        return HostStream(self.host_cache, torch.tensor(copied, dtype=torch.long),
+                          torch.cat(copied_pages) if copied_pages else self.staging_pages[:0], tuple(as_tensors[:2]),
+                          self._array(inputs[1], np.int64), slots.reshape(-1, heads),
+                          self._array(keep_rows, np.int64), tuple(as_tensors[2:]))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the engine's device; on CUDA from pinned memory, so that the host
@@ -214,7 +285,8 @@ class ModelRunner:
             step = self.prepare(batch)
             clock.lap("prepare")
             meta = step.meta
-            if self.graphs is not None and meta.max_query_len == 1 and self.graphs.fits(meta):
+            if self.graphs is not None and meta.max_query_len == 1 and meta.host_stream is None \
+                    and self.graphs.fits(meta):
                 hidden = self.graphs.run(step.input_ids, step.positions, meta)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)

@@ -11,7 +11,9 @@ blocks are freed and it goes back to the front of the waiting queue. With a
 host tier (preemption_mode "swap", or "auto" where moving its blocks is quicker
 than recomputing its tokens: offload_costs.py), its blocks are first copied
 there, as they are, and copied back when it is admitted again; otherwise (or
-with no room there) it is recomputed from its tokens.
+with no room there) it is recomputed from its tokens. With decode_from_host, a
+short pool first moves the full blocks of the oldest running sequences that never
+evict to the host tier, and they decode on from there (models/host_stream.py).
 
 Prefix caching (prefix_cache.py): a sequence is admitted with the
 longest run of cached full blocks that starts its tokens already computed, as
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 
 from nanokv.config import EngineConfig
 from nanokv.engine.block_manager import BlockManager
-from nanokv.engine.block_table import BlockTables
+from nanokv.engine.block_table import OFFLOADED, BlockTables
 from nanokv.engine.offload_costs import SwapCost
 from nanokv.engine.prefix_cache import Hit
 from nanokv.engine.sequence import Sequence, Status, Swap
@@ -62,9 +64,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, eos_token_ids: set[int],
-                 swap_cost: SwapCost | None = None):
-        """swap_cost: what preemption_mode "auto" weighs."""
-        self.config, self.swap_cost = config, swap_cost
+                 swap_cost: SwapCost | None = None, num_staging: int = 0):
+        """swap_cost: what preemption_mode "auto" weighs; num_staging: how many offloaded blocks a
+        step can stage (decode_from_host)."""
+        self.config, self.swap_cost, self.num_staging = config, swap_cost, num_staging
         self.blocks = blocks
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
@@ -72,6 +75,7 @@ class Scheduler:
         self.block_tables = BlockTables(config.max_num_seqs, blocks.blocks_for(config.max_model_len))
         self.num_preemptions = 0
         self.num_swaps = 0                  # preemptions that swapped (the others recomputed)
+        self.num_offloaded = 0              # blocks of running sequences moved to the host tier (decode_from_host)
         self.host_copies = [0, 0]           # blocks copied to the host tier and back from it
         self.host_hits = 0                  # cached blocks found in the host tier
 
@@ -137,7 +141,7 @@ class Scheduler:
         return self.blocks.cache.match(seq.token_ids, limit, computed=not seq.method.shares_blocks)
 
     def _admit(self, seq: Sequence, hits: list[Hit], needed: int, batch: ScheduledBatch) -> None:
-        seq.status = Status.RUNNING
+        seq.status, seq.num_kept_inputs = Status.RUNNING, 0   # layer inputs are kept by block table row
         if seq.swapped is not None:   # as it was: the runner copies its blocks back before the step
             own = self.blocks.allocate(needed)
             seq.block_table = self.block_tables.new(own)
@@ -192,6 +196,8 @@ class Scheduler:
         if missing <= 0:
             return True
         while not self.blocks.can_allocate(missing):
+            if self.config.decode_from_host and self._offload_oldest(batch):
+                continue
             victim = self.running[-1]
             self._preempt(victim, batch)
             if victim is seq:
@@ -199,19 +205,42 @@ class Scheduler:
         seq.block_table.extend(self.blocks.allocate(missing))
         return True
 
+    def _offload_oldest(self, batch: ScheduledBatch) -> bool:
+        """Move the full blocks of the oldest decoding sequence that never evicts and still has
+        some on the device to the host tier, as many as it and the staging have room for; it decodes on from
+        there (the runner streams them back, layer by layer). False if none could move."""
+        staged = sum(len(seq.offloaded) for seq in self.running)
+        room = min(self.blocks.num_host_free, self.num_staging - staged)
+        loading = {id(swap.seq) for swap in batch.resumed}   # its blocks fill only after the step's saves
+        for seq in self.running:
+            full = min(seq.num_kv_slots // self.blocks.block_size, len(seq.offloaded) + room)
+            if seq.method.shares_blocks and seq.num_computed_tokens >= seq.num_prompt_tokens \
+                    and full > len(seq.offloaded) and id(seq) not in loading:
+                device = seq.block_table.offload(full)
+                host = self.blocks.allocate_host(len(device))
+                batch.saves += zip(device, host)
+                seq.offloaded += host
+                self.blocks.free(device)
+                self.num_offloaded += len(device)
+                return True
+        return False
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Take seq out of the running set: its blocks go to the host tier when it swaps and
         there is room, else it will be recomputed. Admission reserved its peak, so seq was
         admitted in an earlier step: its blocks hold its K/V."""
         self.running.remove(seq)
-        blocks = self.block_tables.release(seq.block_table)
+        blocks = self.block_tables.release(seq.block_table)   # the blocks after those offloaded
         if self._swaps(seq, len(blocks)):
-            seq.swapped = Swap(seq, self.blocks.allocate_host(len(blocks)), blocks)
-            batch.saves += zip(blocks, seq.swapped.host)
+            host = self.blocks.allocate_host(len(blocks))
+            seq.swapped = Swap(seq, seq.offloaded + host, [OFFLOADED] * len(seq.offloaded) + blocks)
+            batch.saves += zip(blocks, host)
             self.num_swaps += 1
         else:
+            self.blocks.release_host(seq.offloaded)
             seq.prefix_serials, seq.head_pages = [], None
             seq.num_computed_tokens = seq.num_kv_slots = 0
+        seq.offloaded = []
         self.blocks.free(blocks)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -252,6 +281,8 @@ class Scheduler:
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
             self.blocks.free(self.block_tables.release(seq.block_table))
+            self.blocks.release_host(seq.offloaded)
+            seq.offloaded = []
         else:
             self.waiting.remove(seq)
             if seq.swapped is not None:

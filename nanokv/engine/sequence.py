@@ -95,6 +95,8 @@ class Sequence:
     prefix_serials: list[int] = field(default_factory=list)    # prefix-cache entries of its full blocks
     head_pages: HeadPages | None = None                          # an uneven method's own page tables
     swapped: Swap | None = None        # preempted to the host tier: where its blocks are
+    offloaded: list[int] = field(default_factory=list)   # decoding from the host: the host blocks of its first blocks
+    num_kept_inputs: int = 0           # its first positions whose layer inputs the host tier keeps (KVPR)
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self):

@@ -159,4 +159,6 @@ class EngineThread:
                     preemptions=stats.preemptions, swaps=stats.swaps, host_blocks=stats.host_blocks,
                     host_blocks_used=stats.host_blocks_used, host_cached_blocks=stats.host_cached_blocks,
                     host_hits=stats.host_hits,
-                    host_copied_bytes=stats.host_block_bytes * (stats.blocks_saved + stats.blocks_loaded))
+                    host_copied_bytes=stats.host_block_bytes * (stats.blocks_saved + stats.blocks_loaded
+                                                                + stats.blocks_streamed),
+                    offloaded_blocks=stats.offloaded_blocks, positions_recomputed=stats.positions_recomputed)

@@ -3,9 +3,13 @@
 nano-vllm's workload (random prompts, input and output lengths uniform in [100, 1024]) runs
 with the pool at a quarter of its peak demand (every request that can run at once holding
 its whole context) and the host tier at four times the pool. A preempted sequence is
-recomputed from its tokens (no tier) or swapped to the host tier and back. Per run:
-tokens/s, time to first token and between tokens (p50 and p99 over the requests'
-streams), preemptions, swaps, the bytes copied and the time the copies took. On a CPU the
+recomputed from its tokens (no tier) or swapped to the host tier and back; or, for methods
+that never evict, running sequences decode from the host tier before anyone is preempted,
+all their K/V copied back (l = 0) or the first positions recomputed (KVPR's l), the
+staging taken out of the same pool. Per run: tokens/s, time to first token and between
+tokens (p50 and p99 over the requests' streams), preemptions, swaps, blocks offloaded,
+positions recomputed, the bytes copied (swaps, spills, streamed blocks) and the time the
+copies before the steps took (streaming happens inside the forward pass). On a CPU the
 "device" pool and the host tier are both in host memory: the table shows the mechanism
 and what recomputing costs against copying (--random-weights tiny: the bookkeeping alone).
 Then KVPR's split over a generation (the paper's Figure 12) on this machine's measured link
@@ -23,16 +27,17 @@ from models import HostKVCache
 from models.shapes import shape_config
 from nanokv import LLM
 from nanokv.engine.offload_costs import PositionCost, best_split, measure_link_and_device
+from nanokv.engine.runner import STAGING_SHARE
 from nanokv.tools.tables import print_table
 from nanokv.tools.throughput import make_llm, method_list, run_context, sampling, workload
 
 POOL_SHARE, HOST_TIMES = 0.25, 4
 MAX_LEN = 2048   # the workload's longest request: 1024 + 1024
-COLUMNS = [("method", "label", ""), ("preemption", "preemption_mode", ""), ("tokens/s", "tokens_per_s", ".1f"),
+COLUMNS = [("method", "label", ""), ("K/V out of the pool", "offload", ""), ("tokens/s", "tokens_per_s", ".1f"),
            ("TTFT p50 s", "ttft_p50_s", ".2f"), ("TTFT p99 s", "ttft_p99_s", ".2f"),
            ("ITL p50 ms", "itl_p50_ms", ".1f"), ("ITL p99 ms", "itl_p99_ms", ".1f"),
-           ("preemptions", "preemptions", ""), ("swaps", "swaps", ""), ("GB copied", "swapped_gb", ".3f"),
-           ("copy s", "swap_s", ".2f")]
+           ("preemptions", "preemptions", ""), ("swaps", "swaps", ""), ("offloaded", "offloaded_blocks", ""),
+           ("recomputed", "positions_recomputed", ""), ("GB copied", "copied_gb", ".3f"), ("copy s", "swap_s", ".2f")]
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -58,12 +63,15 @@ def streamed_run(llm: LLM, requests: list) -> dict:
     tokens = sum(map(len, arrivals.values()))
     gaps = [b - a for times in arrivals.values() for a, b in zip(times, times[1:])]
     first = [times[0] - start for times in arrivals.values()]
-    copied = stats.blocks_saved + stats.blocks_loaded - before.blocks_saved - before.blocks_loaded
+    copied = sum(getattr(stats, name) - getattr(before, name) for name in ("blocks_saved", "blocks_loaded",
+                                                                              "blocks_streamed"))
     return dict(output_tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
                 ttft_p50_s=percentile(first, 0.5), ttft_p99_s=percentile(first, 0.99),
                 itl_p50_ms=1e3 * percentile(gaps, 0.5), itl_p99_ms=1e3 * percentile(gaps, 0.99),
                 preemptions=stats.preemptions - before.preemptions, swaps=stats.swaps - before.swaps,
-                swapped_gb=copied * stats.host_block_bytes / 1e9,
+                offloaded_blocks=stats.blocks_offloaded - before.blocks_offloaded,
+                positions_recomputed=stats.positions_recomputed - before.positions_recomputed,
+                copied_gb=copied * stats.host_block_bytes / 1e9,
                 swap_s=timings.decode["swap"] + timings.prefill["swap"])
 
 
@@ -73,20 +81,23 @@ def bench_offload(args, save) -> list[dict]:
     requests = workload(args.num_requests, seed=0, vocab=sizing.model_config.vocab_size)
     concurrent = requests[:sizing.config.max_num_seqs]
     demand = sum(-(-(len(prompt) + n) // block_size) for prompt, n in concurrent)
-    pool = max(int(demand * POOL_SHARE), -(-MAX_LEN // block_size))
+    pool = max(int(demand * POOL_SHARE), int(-(-MAX_LEN // block_size) / (1 - STAGING_SHARE)) + 1)   # + staging
     del sizing
     gc.collect()
     host_gb = HOST_TIMES * pool * host_block_bytes / 1e9
+    tier = dict(kv_offload_gb=host_gb, preemption_mode="swap")
+    modes = {"recompute": dict(preemption_mode="recompute"), "swap": tier,
+             "host, l = 0": dict(tier, decode_from_host=True, partial_recompute=False),
+             "host, KVPR's l": dict(tier, decode_from_host=True)}
     rows = []
     runs = [(method, mode) for method in method_list(args.methods, args.budgets, args.ed_budgets)
-            for mode in ("recompute", "swap")]
+            for mode in modes if method.name == "full" or not mode.startswith("host")]
     for method, mode in tqdm(runs, desc="offload", leave=False):
-        llm = make_llm(args, MAX_LEN, num_kv_blocks=pool, preemption_mode=mode,
-                       kv_offload_gb=host_gb if mode == "swap" else 0.0)
+        llm = make_llm(args, MAX_LEN, num_kv_blocks=pool, **modes[mode])
         context = run_context(args, llm)
         batch = [(prompt, sampling(method, n, args.evict_every)) for prompt, n in requests]
         rows.append(dict(context, mode="offload", method=method.name, budget=method.budget, label=method.label,
-                         preemption_mode=mode, pool_blocks=pool, demand_blocks=demand, host_gb=host_gb,
+                         offload=mode, pool_blocks=pool, demand_blocks=demand, host_gb=host_gb,
                          **streamed_run(llm, batch)))
         save(rows[-1])
         device, dtype = llm.device, llm.dtype

@@ -7,30 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import VOCAB
+from helpers import VOCAB, preemption_params as params, preemption_prompts as prompts
 from models import HostKVCache, KVCache
 from nanokv import LLM, SamplingParams
 
 METHODS = ["full", "batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "ed", "kvcompress"]
-
-
-def prompts() -> list[list[int]]:
-    """Six prompts, two of them sharing their first 32 tokens (prefix-cached blocks swap too)."""
-    g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (40, 70, 55, 60, 33, 61)]
-    ids[3][:32] = ids[1][:32]
-    return ids
-
-
-def params(method: str) -> list[SamplingParams]:
-    """A full-cache request that grows (it preempts the newer ones), then five of method."""
-    full = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    if method == "full":
-        return [full] * 6
-    window = dict(kv_window=8) if method == "snapkv" else {}
-    evicting = SamplingParams(temperature=0, max_tokens=45, ignore_eos=True, kv_method=method, kv_budget=32,
-                              evict_every=16, return_kept_positions=True, **window)
-    return [full] + [evicting] * 5
 
 
 def engine(tiny_dir, **options) -> LLM:

@@ -202,6 +202,20 @@ def test_a_reclaimed_parent_orphans_its_children():
     assert cache.match([1, 2, 3, 4], 4) == []
 
 
+def test_a_spill_reclaimed_in_its_own_step_is_not_copied():
+    """A cached block spills to the only host block, which the same step then takes for a
+    swap: the spill's copy must go, or two copies would land in one host block."""
+    cache = PrefixCache(2, ("model", "torch.float32"))
+    blocks = BlockManager(1, 2, cache, num_host_blocks=1)
+    table = blocks.allocate(1)
+    cache.add([], table, [1, 2], 2)
+    blocks.free(table)
+    blocks.allocate(1)   # reclaims the cached block: it spills to host block 0
+    assert blocks.spills == [(0, 0)]
+    assert blocks.allocate_host(1) == [0] and blocks.take_spills() == []
+    assert cache.match([1, 2], 2) == []
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_evicting_requests_share_soundly(tiny_dir, kv_cache_dtype):
     """Full-cache and evicting requests behind one cached prefix: every request keeps the same

@@ -203,11 +203,14 @@ def test_host_mode_times_every_phase_per_decode_step(capsys):
 
 def test_offload_mode_swaps_where_the_tier_is_on(capsys):
     records = bench.main(["--mode", "offload", "--random-weights", "tiny", "--num-requests", "6", "--methods", "full"])
-    recompute, swap, *splits = records
+    recompute, swap, host, kvpr, *splits = records
     assert [r["shape"] for r in splits] == ["llama-2-7b", "qwen3-0.6b", "llama-3.1-8b"]
     assert all(len(r["splits"]) == len(r["lengths"]) == 5 and r["link_gb_per_s"] > 0 for r in splits)
     assert splits[2]["splits"] == [0] * 5   # grouped-query: a layer's input is larger than its K/V
-    assert recompute["preemption_mode"] == "recompute" and recompute["preemptions"] > 0 == recompute["swaps"]
-    assert swap["preemptions"] == swap["swaps"] > 0 and swap["swapped_gb"] > 0 and swap["swap_s"] > 0
+    assert recompute["offload"] == "recompute" and recompute["preemptions"] > 0 == recompute["swaps"]
+    assert swap["preemptions"] == swap["swaps"] > 0 and swap["copied_gb"] > 0 and swap["swap_s"] > 0
     assert recompute["output_tokens"] == swap["output_tokens"] and swap["ttft_p99_s"] >= swap["ttft_p50_s"] > 0
+    for row in (host, kvpr):   # the tiny shape's layer input is as large as its K/V: KVPR's l is 0 too
+        assert row["offloaded_blocks"] > 0 and row["positions_recomputed"] == 0 and row["copied_gb"] > 0
+        assert row["output_tokens"] == swap["output_tokens"]
     assert "GB copied" in capsys.readouterr().out
