@@ -4,12 +4,18 @@ device, layer by layer.
 A sequence that decodes from the host keeps the K/V of its first blocks in the host tier
 (models/kv_cache.py HostKVCache) and its newest ones in the pool. Its page tables name
 *staging* pages for those first blocks: pages of blocks beyond the ones the block manager
-hands out, one page per (block, KV head), which every layer reuses in turn. Before each
-layer's attention, HostStream fills them with that layer's K/V: for the first positions
+hands out, one page per (block, KV head), in two halves: even layers read the first, odd
+layers the second, so that one half can fill while the other is read. Before each layer's
+attention, HostStream has filled its half with that layer's K/V: for the first positions
 it recomputes K/V from the layer inputs the host tier kept when the prompt was read (the
 layer's own projection, norms and RoPE), for the rest it copies the K/V itself, one
 gather on the host and one transfer per buffer. How many positions are recomputed is
 KVPR's split (nanokv/engine/offload_costs.py), chosen by the runner.
+
+On CUDA the copies run on a stream of their own: layer i+1's are issued before layer i's
+attention, once layer i-1 (the last reader of that half) is done, and layer i's attention
+waits for its own; the transfer of one layer overlaps the compute of the one before. On a
+CPU they run in order.
 
 The same object keeps the step's layer inputs of prompt positions that may be recomputed
 later: each layer's rows are gathered on the device and written to the host tier once,
@@ -29,29 +35,58 @@ from models.kv_cache import HostKVCache
 class HostStream:
     host: HostKVCache
     blocks: torch.Tensor          # [n] host blocks whose K/V every layer copies in
-    pages: torch.Tensor           # [n, Hkv] the staging pages they go to (on the device)
+    pages: torch.Tensor           # [2, n, Hkv] the staging pages they go to, per half (on the device)
     inputs: tuple[torch.Tensor, torch.Tensor]   # ([P] store row, [P] position): the kept inputs recomputed
     positions: torch.Tensor       # [P] their positions (on the device)
-    slots: torch.Tensor           # [P, Hkv] int64: the staging slots their K/V go to (on the device)
+    slots: torch.Tensor           # [2, P, Hkv] int64: the staging slots their K/V go to, per half (on the device)
     keep_rows: torch.Tensor       # [K] step rows whose layer inputs are kept (on the device)
     keep_at: tuple[torch.Tensor, torch.Tensor]  # ([K] store row, [K] position) where they go
     kept: list[torch.Tensor] = field(default_factory=list)   # per layer: those rows' inputs
+    copies: torch.cuda.Stream | None = None   # CUDA: the copies' own stream
+    ready: dict[int, tuple] = field(default_factory=dict)   # layer -> (its copies' event, its inputs on the device)
 
     def before_attention(self, layer: int, x: torch.Tensor, attention, cos_sin: torch.Tensor) -> None:
-        """Keep layer's inputs x of the kept rows, and fill the staging pages with the layer's
-        K/V. attention: the layer's (models/decoder.py Attention), for its projection."""
+        """Keep layer's inputs x of the kept rows, and have the staging pages of the layer's half
+        hold its K/V. attention: the layer's (models/decoder.py Attention), for its projection."""
         if len(self.keep_rows):
             self.kept.append(x[self.keep_rows])
-        cache = self.host.cache
-        if len(self.blocks):
-            for host, pool in zip(self.host.per_slot, cache.per_slot):
-                pool[self.pages] = self.host.to_device(host[self.blocks, layer])   # [n, Hkv, bs, ...]
-        if len(self.positions):
-            rows, positions = self.inputs
-            inputs = self.host.to_device(self.host.layer_inputs[rows, layer, positions])
+        if not len(self.blocks) and not len(self.positions):
+            return
+        if self.copies is None:
+            inputs = self._copy(layer)
+        else:
+            if layer == 0:
+                self._issue(0)
+            if layer + 1 < self.host.cache.num_layers:
+                self._issue(layer + 1)
+            event, inputs = self.ready.pop(layer)
+            torch.cuda.current_stream().wait_event(event)
+            if inputs is not None:
+                inputs.record_stream(torch.cuda.current_stream())
+        if inputs is not None:
+            cache = self.host.cache
             _, k, v = attention.project(inputs, self.positions, cos_sin)
-            kernels.store_kv(k, v, cache.k, cache.v, cache.positions, cache.scores, self.slots, self.positions,
-                             kv_scales=cache.kv_scales)
+            kernels.store_kv(k, v, cache.k, cache.v, cache.positions, cache.scores, self.slots[layer % 2],
+                             self.positions, kv_scales=cache.kv_scales)
+
+    def _copy(self, layer: int) -> torch.Tensor | None:
+        """Copy layer's K/V into its half; returns the recomputed positions' inputs on the device."""
+        if len(self.blocks):
+            for host, pool in zip(self.host.per_slot, self.host.cache.per_slot):
+                pool[self.pages[layer % 2]] = self.host.to_device(host[self.blocks, layer])   # [n, Hkv, bs, ...]
+        if not len(self.positions):
+            return None
+        rows, positions = self.inputs
+        return self.host.to_device(self.host.layer_inputs[rows, layer, positions])
+
+    def _issue(self, layer: int) -> None:
+        """Issue layer's copies on the copy stream, after everything the device has been given so
+        far (the last layer that read its half among it)."""
+        given = torch.cuda.current_stream().record_event()
+        with torch.cuda.stream(self.copies):
+            self.copies.wait_event(given)
+            inputs = self._copy(layer)
+            self.ready[layer] = (self.copies.record_event(), inputs)
 
     def finish(self) -> None:
         """Write the kept layer inputs to the host tier: one transfer for all layers."""

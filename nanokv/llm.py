@@ -150,7 +150,7 @@ class LLM:
             swap_cost = SwapCost.of(self.model_config, HostKVCache.bytes_per_block(self.runner.kv_cache),
                                     *link_and_device)
         self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path), swap_cost,
-                                   len(self.runner.staging_pages))
+                                   self.runner.staging_pages.shape[1])
         self.requests: dict[int, _Request] = {}
         self._ids = count()
         self._timings: Timings | None = None   # inside timing()

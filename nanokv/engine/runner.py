@@ -78,10 +78,10 @@ class ModelRunner:
 
     def _host_tier(self, cost: PositionCost | None) -> HostKVCache:
         """The host tier of kv_offload_gb, and for decoding from it the pool's staging blocks
-        (the last ones: enough to stage any layer of every host block, 1/L of the tier, but at
-        most STAGING_SHARE of the pool: their L pages each stage one offloaded block) and the
-        layer inputs of the first input_positions positions of every running sequence, as many
-        as KVPR's split may recompute at max_model_len (at most half of the tier)."""
+        (the last ones: their L pages each stage one offloaded block, in two halves, each
+        enough for every host block, 2/L of the tier, but at most STAGING_SHARE of the pool)
+        and the layer inputs of the first input_positions positions of every running sequence,
+        as many as KVPR's split may recompute at max_model_len (at most half of the tier)."""
         config, model, bs = self.config, self.model.config, self.block_size
         budget = int(config.kv_offload_gb * 1e9)
         self.split = (lambda s: best_split(s, cost)) if config.partial_recompute and cost else (lambda s: 0)
@@ -94,13 +94,16 @@ class ModelRunner:
                              f"{block_bytes} bytes): give more, or 0 for no host tier")
         staging = 0
         if config.decode_from_host:
-            staging = min(-(-num_blocks // model.num_layers), int(self.kv_cache.num_blocks * STAGING_SHARE))
+            staging = min(-(-2 * num_blocks // model.num_layers), int(self.kv_cache.num_blocks * STAGING_SHARE))
         self.num_pool_blocks = self.kv_cache.num_blocks - staging
         if self.num_pool_blocks * bs < config.max_model_len:
             raise ValueError(f"decode_from_host stages in {staging} of the {self.kv_cache.num_blocks} KV blocks, "
                              f"leaving too few for max_model_len={config.max_model_len}: give the pool more")
         pages = self.kv_cache.pages(torch.arange(self.num_pool_blocks, self.kv_cache.num_blocks, device=self.device))
-        self.staging_pages = pages.transpose(1, 2).reshape(-1, model.num_kv_heads)   # [L x staging, Hkv]
+        half = model.num_layers * staging // 2
+        heads = model.num_kv_heads
+        self.staging_pages = pages.transpose(1, 2).reshape(-1, heads)[:2 * half].view(2, half, heads)
+        self.copy_stream = torch.cuda.Stream(self.device) if staging and self.device.type == "cuda" else None
         self.blocks_streamed = self.positions_recomputed = 0
         inputs = (config.max_num_seqs, model.num_layers, self.input_positions, model.hidden_size)
         return HostKVCache(self.kv_cache, num_blocks, inputs if self.input_positions else (0, 0, 0, 0), self.dtype)
@@ -188,13 +191,13 @@ class ModelRunner:
             row = seq.block_table.row
             if seq.offloaded:
                 k = len(seq.offloaded)
-                pages = self.staging_pages[staged:staged + k]
+                pages = self.staging_pages[:, staged:staged + k]   # [2, k, Hkv]: even layers', odd layers'
                 staged += k
-                tables[:, b, :, :k] = pages.T
+                tables[0::2, b, :, :k], tables[1::2, b, :, :k] = pages[0].T, pages[1].T
                 recomputed = min(self.split(k * bs), seq.num_kept_inputs) // bs
                 copied += seq.offloaded[recomputed:]
-                copied_pages.append(pages[recomputed:])
-                recomputed_pages.append(pages[:recomputed])
+                copied_pages.append(pages[:, recomputed:])
+                recomputed_pages.append(pages[:, :recomputed])
                 inputs[0].extend([row] * recomputed * bs)
                 inputs[1].extend(range(recomputed * bs))
             elif self.input_positions and seq.method.shares_blocks \
@@ -208,14 +211,14 @@ class ModelRunner:
             return None
         self.blocks_streamed += len(copied)
         self.positions_recomputed += len(inputs[1])
-        heads = self.staging_pages.shape[1]
-        pages = torch.cat(recomputed_pages) if recomputed_pages else self.staging_pages[:0]
-        slots = (pages.long() * bs)[:, None] + torch.arange(bs, device=self.device)[None, :, None]   # [n, bs, Hkv]
+        none = self.staging_pages[:, :0]
+        pages = torch.cat(recomputed_pages, dim=1) if recomputed_pages else none
+        slots = (pages.long() * bs)[:, :, None] + torch.arange(bs, device=self.device)[:, None]   # [2, n, bs, Hkv]
         as_tensors = [torch.tensor(index, dtype=torch.long) for index in inputs + keep_at]
         return HostStream(self.host_cache, torch.tensor(copied, dtype=torch.long),
-                          torch.cat(copied_pages) if copied_pages else self.staging_pages[:0], tuple(as_tensors[:2]),
-                          self._array(inputs[1], np.int64), slots.reshape(-1, heads),
-                          self._array(keep_rows, np.int64), tuple(as_tensors[2:]))
+                          torch.cat(copied_pages, dim=1) if copied_pages else none, tuple(as_tensors[:2]),
+                          self._array(inputs[1], np.int64), slots.flatten(1, 2), self._array(keep_rows, np.int64),
+                          tuple(as_tensors[2:]), copies=self.copy_stream)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """A host array on the engine's device; on CUDA from pinned memory, so that the host
