@@ -16,6 +16,7 @@ import kernels
 from models.attention_metadata import AttentionMetadata
 from models.config import ModelConfig
 from models.kv_cache import KVCache
+from models.tensor_parallel import Shard
 
 
 class RMSNorm(nn.Module):
@@ -32,9 +33,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard):
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx, self.shard = layer_idx, shard
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v projections fused into one matmul (the loader fills the three parts).
@@ -74,26 +75,27 @@ class Attention(nn.Module):
                                       logits=cache.logits, workspace=meta.decode_workspace,
                                       cpu_plan=None if cpu_plan is None else cpu_plan.layer(i),
                                       kv_scales=cache.kv_scales)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return self.shard.all_reduce(self.o_proj(out.reshape(T, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
+        self.shard = shard
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.shard.all_reduce(self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, x, residual, positions, cos_sin, cache, meta, cpu_plan):
         if residual is None:
@@ -107,13 +109,14 @@ class DecoderLayer(nn.Module):
 
 class Decoder(nn.Module):
     """Token ids and positions in, hidden states out; `compute_logits` is separate
-    so that only the rows that are sampled pay for the vocabulary projection."""
+    so that only the rows that are sampled pay for the vocabulary projection. cfg: the shape
+    this rank holds of a model split over shard.size ranks (models/tensor_parallel.py)."""
 
-    def __init__(self, cfg: ModelConfig, max_len: int):
+    def __init__(self, cfg: ModelConfig, max_len: int, shard: Shard = Shard()):
         super().__init__()
-        self.config = cfg
+        self.config, self.shard = cfg, shard
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # A float32 table, deliberately not a buffer: casting the model to bf16 must not touch it.

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from models import Decoder
 from models.config import ModelConfig
+from models.tensor_parallel import Shard, local_config, shard_index
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -70,8 +71,10 @@ def _destination(name: str, cfg: ModelConfig) -> tuple[str, int] | None:
     return name, 0
 
 
-def load_weights(model: Decoder, path: Path) -> None:
-    """Copy every checkpoint tensor into its place; fail clearly on a bad file or a gap."""
+def load_weights(model: Decoder, path: Path, whole: ModelConfig | None = None) -> None:
+    """Copy every checkpoint tensor (or, for a rank of a split model, its part of it: whole is
+    the model's shape, models/tensor_parallel.py) into its place; fail clearly on a bad file
+    or a gap."""
     params = dict(model.named_parameters())
     rows_loaded = {name: 0 for name in params}
     for file in _safetensors_files(path):
@@ -84,7 +87,7 @@ def load_weights(model: Decoder, path: Path) -> None:
                     target, offset = dest
                     if target not in params:
                         raise ValueError(f"{file.name}: unexpected tensor {name!r} for this architecture")
-                    tensor = f.get_tensor(name)
+                    tensor = f.get_slice(name)[shard_index(name, whole or model.config, model.shard)]
                     param = params[target]
                     piece = param.data[offset:offset + tensor.shape[0]]
                     if piece.shape != tensor.shape:
@@ -106,10 +109,11 @@ def load_weights(model: Decoder, path: Path) -> None:
 
 
 def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               max_len: int) -> Decoder:
+               max_len: int, shard: Shard = Shard()) -> Decoder:
+    """The model of cfg's shape, or shard's part of it."""
     with torch.device("meta"):  # shapes only: no memory, no random init
-        model = Decoder(cfg, max_len).to(dtype)
+        model = Decoder(local_config(cfg, shard.size), max_len, shard).to(dtype)
     model = model.to_empty(device=device)
-    load_weights(model, path)
+    load_weights(model, path, cfg)
     model.cos_sin = model.cos_sin.to(device)
     return model.eval().requires_grad_(False)

@@ -10,6 +10,7 @@ import torch
 
 from models.config import ModelConfig
 from models.decoder import Decoder
+from models.tensor_parallel import Shard, local_config
 
 SHAPES = {
     "llama-3.1-8b": dict(
@@ -49,10 +50,12 @@ def shape_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf(SHAPES[name])
 
 
-def random_model(name: str, dtype: torch.dtype, device: torch.device | str, max_len: int) -> Decoder:
+def random_model(name: str, dtype: torch.dtype, device: torch.device | str, max_len: int,
+                 shard: Shard = Shard()) -> Decoder:
+    """A model of the named shape (shard's part of it) with random weights, for timing."""
     cfg = shape_config(name)
     with torch.device("meta"):
-        model = Decoder(cfg, max_len).to(dtype)
+        model = Decoder(local_config(cfg, shard.size), max_len, shard).to(dtype)
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(0)
     for pname, p in model.named_parameters():

@@ -55,6 +55,9 @@ class EngineConfig(EvictionSettings):
                                         # their layer inputs instead of moved, where that is quicker (KVPR's
                                         # split, from the link and device measured at start); False: all moved
 
+    tensor_parallel_size: int = 1       # ranks the model is split over by heads (models/tensor_parallel.py):
+                                        # this process is rank 0 and starts the others (nanokv/engine/workers.py)
+
     def __post_init__(self):
         check_type("model", self.model, (str,), "a model directory or hub id (str)", optional=True)
         check_type("dtype", self.dtype, (str, torch.dtype), "a torch.dtype or its name")
@@ -78,6 +81,10 @@ class EngineConfig(EvictionSettings):
         check_int("num_threads", self.num_threads, 1, optional=True)
         check_float("kv_offload_gb", self.kv_offload_gb, 0, host_memory_gb())
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES, optional=True)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size > 1 and self.kv_offload_gb:
+            raise ValueError(f"kv_offload_gb={self.kv_offload_gb} with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: the host tier is not split over ranks yet; use one or the other")
         check_bool("decode_from_host", self.decode_from_host)
         check_bool("partial_recompute", self.partial_recompute)
         if self.decode_from_host and not self.kv_offload_gb:

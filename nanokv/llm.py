@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import count
@@ -21,7 +22,8 @@ from tqdm import tqdm
 
 import kernels
 from models import HostKVCache, ModelConfig, shapes
-from models.loader import load_model, resolve_model_path
+from models.loader import resolve_model_path
+from models.tensor_parallel import Shard, check_split
 from nanokv.checks import check_token_ids
 from nanokv.config import KV_CACHE_DTYPES, EngineConfig, resolve_dtype
 from nanokv.engine.block_manager import BlockManager
@@ -30,59 +32,15 @@ from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.sampler import FAILED
 from nanokv.engine.scheduler import Scheduler
-from nanokv.engine.sequence import Sequence, TokenLogprob
+from nanokv.engine.sequence import Sequence
 from nanokv.engine.timing import StepClock, Timings
+from nanokv.engine.workers import Workers, cpu_threads, load_part
 from nanokv.eviction import EvictionSettings, KVMethod, method_for
+from nanokv.outputs import EngineStats, RequestOutput
 from nanokv.sampling_params import SamplingParams
 from nanokv.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int]
-
-
-@dataclass
-class RequestOutput:
-    """A request's output so far; `new_*` is what the last step added."""
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    new_text: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None   # "stop" (EOS, stop token or string), "length", "abort" or "error"
-    prompt_logprobs: list[TokenLogprob | None] | None = None    # with SamplingParams(prompt_logprobs=True)
-    logprobs: list[TokenLogprob] | None = None   # token_ids', with SamplingParams(logprobs=k)
-    kept_positions: torch.Tensor | None = None   # [layers, kv_heads, n], with return_kept_positions, at the end
-    #                                               (an uneven method's shorter heads padded with -1)
-    error: str | None = None    # with finish_reason "error": what went wrong with this request
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
-
-
-@dataclass
-class EngineStats:
-    """What the engine holds now (LLM.stats)."""
-    running: int             # sequences admitted, holding blocks
-    waiting: int             # queued, or preempted (waiting to be recomputed, or swapped out)
-    kv_slots: int            # KV pairs per head the running sequences hold, summed
-    free_blocks: int         # KV blocks free (or cached and reclaimable)
-    total_blocks: int
-    block_size: int
-    block_bytes: int         # what one block takes in memory (K, V and every slot's metadata)
-    preemptions: int         # since the engine started
-    timings: Timings | None  # phase times, inside LLM.timing()
-    swaps: int = 0           # preemptions that swapped to the host tier (the others recomputed)
-    host_blocks_used: int = 0   # the host tier (kv_offload_gb): blocks holding swapped sequences
-    host_cached_blocks: int = 0  # and cached blocks spilled from the device (reclaimable: free)
-    host_blocks: int = 0
-    host_block_bytes: int = 0
-    blocks_saved: int = 0    # since the engine started: copied to the host tier (swapped out, cached blocks spilled)
-    blocks_loaded: int = 0   # and from it (swapped back in, cached blocks found there)
-    host_hits: int = 0       # cached blocks found in the host tier
-    offloaded_blocks: int = 0    # decode_from_host: host blocks the running sequences decode from now,
-    blocks_offloaded: int = 0    # and since the engine started: blocks they moved there,
-    blocks_streamed: int = 0     # blocks copied back for a step's layers (each step counts its own),
-    positions_recomputed: int = 0  # positions whose K/V a step recomputed instead
 
 
 @dataclass
@@ -116,30 +74,39 @@ class LLM:
                             f"the options are {', '.join(sorted(fields - {'model', 'dtype'}))}")
         self.config = EngineConfig(model=model, dtype=dtype, **options)
         cfg = self.config
-        method_for(EvictionSettings(), cfg, cfg.block_size)   # the defaults' combination, checked now
+        defaults = method_for(EvictionSettings(), cfg, cfg.block_size)   # the defaults' combination, checked now
         self.device = device = engine_device(self.config.device)
         kernels.check_device(device, cfg.block_size)
-        if cfg.num_threads is not None:
-            torch.set_num_threads(cfg.num_threads)
+        split = cfg.tensor_parallel_size > 1
+        if cfg.num_threads is not None or (split and device.type == "cpu"):
+            torch.set_num_threads(cpu_threads(cfg))
         self.dtype = resolve_dtype(self.config.dtype, device)
         if model is not None and model.startswith(shapes.RANDOM_PREFIX):   # timing: no files, no tokenizer
             shape = model.removeprefix(shapes.RANDOM_PREFIX)
             self.model_config, self.tokenizer, path = shapes.shape_config(shape), None, None
-            self.config.max_model_len = self._max_model_len()
-            decoder = shapes.random_model(shape, self.dtype, device, self.config.max_model_len)
         else:
             path = resolve_model_path(model)
-            self.model_config = ModelConfig.from_dir(path)
-            self.tokenizer = Tokenizer.from_dir(path)
-            self.config.max_model_len = self._max_model_len()
-            decoder = load_model(path, self.model_config, self.dtype, device, self.config.max_model_len)
+            self.model_config, self.tokenizer = ModelConfig.from_dir(path), Tokenizer.from_dir(path)
+        self.config.max_model_len = self._max_model_len()
         self.kv_dtype = kv_dtype = KV_CACHE_DTYPES[self.config.kv_cache_dtype] or self.dtype
-        link_and_device = self._measure_link_and_device()
-        position_cost = None
-        if cfg.decode_from_host and cfg.partial_recompute:
-            position_cost = PositionCost.of(self.model_config, self.dtype, kv_dtype, kv_dtype in kernels.QUANT_MAX,
-                                            *link_and_device)
-        self.runner = ModelRunner(self.config, decoder, self.dtype, device, kv_dtype, position_cost)
+        self.workers, shard = None, Shard()
+        if split:   # the other ranks load their parts beside this one's
+            check_split(self.model_config, cfg.tensor_parallel_size)
+            self._check_split_method(defaults)
+            self.workers = Workers(cfg, str(path or model), self.model_config, self.dtype, kv_dtype, device)
+            self._stop_workers = weakref.finalize(self, self.workers.stop)
+            shard = self.workers.shard
+        try:
+            self._build_runner(str(path or model), shard)
+        except BaseException:
+            if self.workers is not None:   # a worker that failed says so; none is left behind
+                workers, self.workers = self.workers, None
+                self._stop_workers.detach()
+                try:
+                    workers.check(wait_s=5.0)
+                finally:
+                    workers.stop(tell=False)
+            raise
         cache = None
         if self.config.enable_prefix_caching:   # a block's contents depend on the model and the cache's dtype
             cache = PrefixCache(self.config.block_size, (str(path or model), str(kv_dtype)))
@@ -148,12 +115,23 @@ class LLM:
         swap_cost = None
         if cfg.preemption_mode == "auto":
             swap_cost = SwapCost.of(self.model_config, HostKVCache.bytes_per_block(self.runner.kv_cache),
-                                    *link_and_device)
+                                    *self._link_and_device)
         self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path), swap_cost,
                                    self.runner.staging_pages.shape[1])
         self.requests: dict[int, _Request] = {}
         self._ids = count()
         self._timings: Timings | None = None   # inside timing()
+
+    def _build_runner(self, model: str, shard: Shard) -> None:
+        """This rank's part of the model and its runner (the pool, the host tier)."""
+        cfg = self.config
+        decoder = load_part(cfg, model, self.model_config, self.dtype, self.device, shard)
+        self._link_and_device = self._measure_link_and_device()
+        position_cost = None
+        if cfg.decode_from_host and cfg.partial_recompute:
+            position_cost = PositionCost.of(self.model_config, self.dtype, self.kv_dtype,
+                                            self.kv_dtype in kernels.QUANT_MAX, *self._link_and_device)
+        self.runner = ModelRunner(cfg, decoder, self.dtype, self.device, self.kv_dtype, position_cost)
 
     def _measure_link_and_device(self) -> tuple[float, float] | None:
         """What preemption_mode "auto" and decoding from the host weigh: this machine's link and
@@ -218,10 +196,26 @@ class LLM:
         params.check()
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
         method = method_for(params, self.config, self.config.block_size)
+        self._check_split_method(method)
         if params.return_kept_positions and method.name == "full":
             raise ValueError("return_kept_positions needs an evicting kv_method (any but full); "
                              "with full every position is kept")
         return method
+
+    def _check_split_method(self, method: KVMethod) -> None:
+        """Under tensor parallelism: a ValueError for the methods it does not split yet."""
+        size = self.config.tensor_parallel_size
+        if size > 1 and method.name != "full" and (method.uneven or self.model_config.num_kv_heads < size):
+            raise ValueError(f"kv_method={method.name!r} with tensor_parallel_size={size}: not split over ranks yet "
+                             "(kvcompress ranks pages across every head; a KV head replicated on several ranks "
+                             "would need its scores summed); use full or another method, or fewer ranks")
+
+    def close(self) -> None:
+        """End the tensor-parallel workers and leave their process group (nothing to do on one
+        rank); the engine cannot run after."""
+        if self.workers is not None:
+            self.workers = None
+            self._stop_workers()
 
     def _queue(self, prompt: Prompt, ids: list[int], params: SamplingParams | None) -> int:
         params = params or SamplingParams()
@@ -285,10 +279,15 @@ class LLM:
                 raise RuntimeError("requests are waiting but none can be scheduled")
             return []
         try:
+            if self.workers is not None:
+                self.workers.send(batch)
+            clock.lap("describe")
             sampled = self.runner.run(batch, clock)
         except Exception:
             if self.blocks.cache is not None:
                 self.blocks.cache.forget_pending()
+            if self.workers is not None:   # a collective that failed: a worker is gone, say which
+                self.workers.check(wait_s=5.0)
             raise
         failed = self._take_sampling_failures(sampled)
         done = {seq.seq_id: reason for seq, reason in self.scheduler.update(batch, sampled)}
@@ -338,6 +337,8 @@ class LLM:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.params.return_kept_positions:   # read before the blocks go back to the pool
             seq.kept_positions = self.runner.kept_positions(seq)
+            if self.workers is not None:   # the other ranks' KV heads
+                seq.kept_positions = self.workers.kept_positions(seq, seq.kept_positions)
         self.scheduler.finish(seq, reason)
 
     def _emit(self, request: _Request, token: int, every_token: bool) -> RequestOutput | None:

@@ -153,7 +153,7 @@ def test_running_out_of_memory_while_loading_is_not_a_corrupt_file(tiny_dir, mon
         def keys(self):
             return self.file.keys()
 
-        def get_tensor(self, name):
+        def get_slice(self, name):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     monkeypatch.setattr(models.loader, "safe_open", FullDevice)
     with pytest.raises(torch.OutOfMemoryError, match="out of memory while loading model.safetensors onto the "

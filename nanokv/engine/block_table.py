@@ -39,11 +39,12 @@ class BlockTables:
 class BlockTable:
     """A sequence's block ids: a list for the scheduler, mirrored in its row of BlockTables
     (a waiting sequence's is empty and has no row)."""
-    __slots__ = ("tables", "row", "ids")
+    __slots__ = ("tables", "row", "ids", "changed_from")
 
     def __init__(self, tables: BlockTables | None = None, row: int = -1):
         self.tables, self.row = tables, row
         self.ids: list[int] = []
+        self.changed_from = 0   # the first entry changed since tensor parallelism's last step (workers.py)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -64,6 +65,7 @@ class BlockTable:
                                f"{self.tables.ids.shape[1]} that max_model_len needs")
         self.ids += blocks
         self.tables.ids[self.row, start:start + len(blocks)] = blocks
+        self.changed_from = min(self.changed_from, start)
 
     def offload(self, stop: int) -> list[int]:
         """The blocks before column stop leave the device (their pairs go to the host tier):
@@ -78,4 +80,5 @@ class BlockTable:
         """Keep the first num_kept blocks; returns the others."""
         dropped = self.ids[num_kept:]
         del self.ids[num_kept:]
+        self.changed_from = min(self.changed_from, num_kept)
         return dropped

@@ -67,6 +67,7 @@ class ModelRunner:
                 config.max_num_seqs, model_config.num_heads, model_config.num_kv_heads, model_config.head_dim, device)
             num_blocks = memory.pool_blocks(config, model_config, kv_dtype, device, self.uses_graphs,
                                             self.profile_forward)
+            num_blocks = model.shard.min(num_blocks, device)   # block ids are the same on every rank
             self.kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
             self.host_cache = self._host_tier(position_cost)
             self.evictor = evict.Evictor(self.kv_cache)
@@ -293,6 +294,8 @@ class ModelRunner:
                 hidden = self.graphs.run(step.input_ids, step.positions, meta)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
+            if self.model.shard.rank:   # a worker of a split model: rank 0 samples
+                return {}
             logits = self.model.compute_logits(hidden[step.sample_rows]) if step.sample_rows else None
             clock.lap("forward")
             if step.logprob_rows:

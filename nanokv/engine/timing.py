@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-# schedule: which sequences run, how many tokens, who evicts; swap: blocks copied to and from
+# schedule: which sequences run, how many tokens, who evicts; describe: the step described to
+# the tensor-parallel workers (nanokv/engine/workers.py); swap: blocks copied to and from
 # the host tier; evict: copies of cached blocks and the eviction surgery; prepare: the step's
 # inputs; forward: the model and the logits of the sampled rows (the device's work); sample:
 # sampling and prompt logprobs; update: tokens recorded, stops checked, blocks freed; outputs:
 # detokenizing, stop strings, RequestOutputs.
-PHASES = ("schedule", "swap", "evict", "prepare", "forward", "sample", "update", "outputs")
+PHASES = ("schedule", "describe", "swap", "evict", "prepare", "forward", "sample", "update", "outputs")
 
 
 def _zeros() -> dict[str, float]:

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from nanokv.llm import RequestOutput, TokenLogprob
+from nanokv import RequestOutput, TokenLogprob
 from nanokv.serve.openai_api import ParsedRequest
 from nanokv.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nanokv.llm import LLM, RequestOutput
+from nanokv import LLM, RequestOutput
 from nanokv.serve.engine_thread import EngineError, EngineThread
 from nanokv.serve.openai_api import APIError, ParsedRequest, from_engine, parse
 from nanokv.serve.responses import Responder

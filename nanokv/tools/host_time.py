@@ -46,7 +46,8 @@ def bench_host(args, save) -> list[dict]:
     for caching in (False, True):
         llm = LLM(f"random:{SHAPE}", dtype="float32", num_kv_blocks=blocks, max_model_len=longest + 1,
                   max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.batches) * args.input_len,
-                  enable_prefix_caching=caching, num_threads=args.num_threads)
+                  enable_prefix_caching=caching, num_threads=args.num_threads,
+                  tensor_parallel_size=args.tensor_parallel_size or 1)
         context = run_context(args, llm)
         host_run(llm, 4, "full", args)   # warm-up
         runs = [(method, batch) for method in args.methods for batch in args.batches]

@@ -196,7 +196,7 @@ def test_host_mode_times_every_phase_per_decode_step(capsys):
     assert len(records) == 2 * 2 * 2   # methods x batches x caching off and on
     for r in records:
         assert r["decode_steps"] > 0 and {"device", "date", "commit", "caching", "method", "batch"} <= r.keys()
-        phases = [r[p] for p in ("schedule", "swap", "evict", "prepare", "sample", "update", "outputs")]
+        phases = [r[p] for p in ("schedule", "describe", "swap", "evict", "prepare", "sample", "update", "outputs")]
         assert min(phases) >= 0 and r["host"] == pytest.approx(sum(phases)) and r["forward"] > 0
     assert "per-sequence slope, batch 1 to 3" in capsys.readouterr().out
 

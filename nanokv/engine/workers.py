@@ -1,0 +1,282 @@
+"""Tensor parallelism's processes (how the model is split: models/tensor_parallel.py).
+
+Rank 0 is the engine: scheduler, block manager, prefix cache, sampling and outputs. Ranks
+1..N-1 are workers: each owns its part of the weights and of the KV pool (the same block
+ids, its own KV heads) and runs every step as rank 0 describes it. The description says
+what changed since the last step, as one int64 tensor broadcast on a CPU process group
+(gloo): the sequences that left; each scheduled sequence's counts, the tail of its block
+table that changed and its tokens not yet sent (a new one also with its eviction settings
+and length limit); the evictions and the cached blocks to copy. A worker keeps a mirror of
+every running sequence and gives its runner the batch rank 0 runs: the two all-reduces of
+each layer keep the ranks in step.
+
+The engine starts the workers (spawned processes, one per rank) and connects them to
+itself by torch.distributed: gloo on CPUs, NCCL on GPUs (rank r on the r-th GPU after the
+engine's).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from models import shapes
+from models.config import ModelConfig
+from models.loader import load_model
+from models.tensor_parallel import Shard
+from nanokv.config import EngineConfig
+from nanokv.engine.block_table import BlockTables
+from nanokv.engine.runner import ModelRunner
+from nanokv.engine.scheduler import Eviction, ScheduledBatch
+from nanokv.engine.sequence import Sequence, Status
+from nanokv.eviction import EvictionSettings, method_for
+from nanokv.eviction.schedules import SCHEDULES
+from nanokv.eviction.settings import METHODS
+from nanokv.sampling_params import SamplingParams
+
+STEP, KEPT, STOP = 0, 1, 2   # what a description asks: run a step, gather kept positions, end
+TIMEOUT = datetime.timedelta(minutes=5)   # a collective that waits longer ends the engine with an error
+SETTINGS = ("kv_method", "kv_schedule", "kv_budget", "evict_every", "kv_sinks", "kv_recent", "kv_window",
+            "kv_pool", "kv_score_all")
+NAMES = {"kv_method": METHODS, "kv_schedule": tuple(SCHEDULES)}
+
+
+def connect(rank: int, size: int, address: str, device: torch.device) -> tuple[Shard, dist.ProcessGroup | None]:
+    """Join the ranks: the model's all-reduces on the device's backend, the steps' descriptions on
+    a CPU group (the same group on a CPU)."""
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=address, rank=rank,
+                            world_size=size, timeout=TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else None
+    return Shard(rank, size), control
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def cpu_threads(config: EngineConfig) -> int:
+    """A rank's CPU threads: the option, or the cores shared out between the ranks."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return config.num_threads or max(1, cores // config.tensor_parallel_size)
+
+
+def load_part(config: EngineConfig, model: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+              shard: Shard):
+    """shard's part of the model: model is a checkpoint directory or "random:<shape>"."""
+    if model.startswith(shapes.RANDOM_PREFIX):
+        return shapes.random_model(model.removeprefix(shapes.RANDOM_PREFIX), dtype, device, config.max_model_len,
+                                   shard)
+    return load_model(Path(model), cfg, dtype, device, config.max_model_len, shard)
+
+
+def _write_settings(ints: list[int], params: SamplingParams) -> None:
+    for name in SETTINGS:
+        value = getattr(params, name)
+        ints.append(-1 if value is None else NAMES[name].index(value) if name in NAMES else int(value))
+
+
+def _read_settings(ints: Reader) -> EvictionSettings:
+    values = {}
+    for name in SETTINGS:
+        value = ints.take()
+        values[name] = None if value < 0 else NAMES[name][value] if name in NAMES else value
+    values["kv_score_all"] = None if values["kv_score_all"] is None else bool(values["kv_score_all"])
+    return EvictionSettings(**values)
+
+
+class Reader:
+    """Ints read back in the order they were written."""
+
+    def __init__(self, values: list[int]):
+        self.values, self.at = values, 0
+
+    def take(self) -> int:
+        self.at += 1
+        return self.values[self.at - 1]
+
+    def take_list(self) -> list[int]:
+        n = self.take()
+        self.at += n
+        return self.values[self.at - n:self.at]
+
+
+def _put_list(ints: list[int], values: list[int]) -> None:
+    ints.append(len(values))
+    ints += values
+
+
+def broadcast(ints: list[int] | None, group) -> list[int]:
+    """Rank 0's ints on every rank: the length, then the ints."""
+    length = torch.tensor([0 if ints is None else len(ints)])
+    dist.broadcast(length, 0, group=group)
+    values = torch.tensor(ints, dtype=torch.int64) if ints is not None else torch.empty(int(length), dtype=torch.int64)
+    dist.broadcast(values, 0, group=group)
+    return values.tolist()
+
+
+class Workers:
+    """Rank 0's side: starts the workers and describes each step to them."""
+
+    def __init__(self, config: EngineConfig, model: str, cfg: ModelConfig, dtype: torch.dtype,
+                 kv_dtype: torch.dtype, device: torch.device):
+        size = config.tensor_parallel_size
+        address = free_address()
+        context = mp.get_context("spawn")
+        self.processes = [context.Process(target=_work, daemon=True, name=f"nanokv-rank-{rank}",
+                                          args=(rank, address, config, model, cfg, dtype, kv_dtype,
+                                                worker_device(device, rank)))
+                          for rank in range(1, size)]
+        for process in self.processes:
+            process.start()
+        self.shard, self.control = connect(0, size, address, device)
+        self.mirrored: dict[int, list] = {}   # seq_id -> [seq, tokens sent]: the workers' mirrors
+
+    def check(self, wait_s: float = 0.0) -> None:
+        """A RuntimeError if a worker has ended (it said why on its standard error), waiting up to
+        wait_s for one to end (after a collective failed, one is ending)."""
+        for process in self.processes:
+            process.join(timeout=wait_s)
+        dead = [p.name for p in self.processes if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"tensor parallelism: {', '.join(dead)} ended (its error is above); the engine "
+                               "cannot go on without it: close it (LLM.close) and start a new one")
+
+    def send(self, batch: ScheduledBatch) -> None:
+        """Describe the step rank 0 is about to run."""
+        self.check()
+        ints = [STEP]
+        gone = [seq_id for seq_id, (seq, _) in self.mirrored.items() if seq.status != Status.RUNNING]
+        for seq_id in gone:   # finished, or preempted (admitted again, it is sent whole again)
+            del self.mirrored[seq_id]
+        _put_list(ints, gone)
+        ints.append(len(batch.seqs))
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            self._describe(ints, seq, n)
+        ints.append(len(batch.evictions))
+        for e in batch.evictions:
+            ints += [e.seq.seq_id, e.num_evicted, e.num_slots, e.num_blocks_kept]
+        _put_list(ints, [block for pair in batch.copies for block in pair])
+        broadcast(ints, self.control)
+
+    def _describe(self, ints: list[int], seq: Sequence, n: int) -> None:
+        """What a worker's mirror of seq lacks (all of it, the first time), and its n new tokens."""
+        mirror = self.mirrored.get(seq.seq_id)
+        ints += [seq.seq_id, mirror is None]
+        if mirror is None:
+            ints += [seq.num_prompt_tokens, seq.max_slots]
+            _write_settings(ints, seq.params)
+            mirror = self.mirrored[seq.seq_id] = [seq, 0]
+        table = seq.block_table
+        ints += [seq.num_computed_tokens, seq.num_kv_slots, n, table.changed_from]
+        _put_list(ints, table.ids[table.changed_from:])
+        table.changed_from = len(table.ids)
+        _put_list(ints, seq.tokens(mirror[1], seq.num_tokens - mirror[1]))
+        mirror[1] = seq.num_tokens
+
+    def kept_positions(self, seq: Sequence, own: torch.Tensor) -> torch.Tensor:
+        """[L, H, n]: seq's kept positions, own ([L, H / N, n], rank 0's KV heads) and the workers'."""
+        self.check()
+        ints = [KEPT]
+        self._describe(ints, seq, 0)
+        broadcast(ints, self.control)
+        parts = [torch.empty_like(own) for _ in range(self.shard.size)]
+        dist.gather(own, parts, dst=0, group=self.control)
+        return torch.cat(parts, dim=1)
+
+    def stop(self, tell: bool = True) -> None:
+        """Tell the workers to end (tell: they are waiting for a step), end those that do not,
+        and leave the process group."""
+        try:
+            if tell and all(p.exitcode is None for p in self.processes):
+                broadcast([STOP], self.control)
+        finally:
+            for process in self.processes:
+                process.join(timeout=10)
+                if process.is_alive():
+                    process.kill()
+            dist.destroy_process_group()
+
+
+class Mirror:
+    """A worker's side: the running sequences as rank 0 described them, and the batch of a step."""
+
+    def __init__(self, runner: ModelRunner, config: EngineConfig):
+        self.runner, self.config = runner, config
+        self.tables = BlockTables(config.max_num_seqs, -(-config.max_model_len // config.block_size))
+        self.seqs: dict[int, Sequence] = {}
+
+    def batch(self, ints: Reader) -> ScheduledBatch:
+        for seq_id in ints.take_list():
+            self.tables.release(self.seqs.pop(seq_id).block_table)
+        batch = ScheduledBatch()
+        for _ in range(ints.take()):
+            seq, n = self.update(ints)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+        for _ in range(ints.take()):
+            seq_id, num_evicted, num_slots, num_blocks_kept = (ints.take() for _ in range(4))
+            batch.evictions.append(Eviction(self.seqs[seq_id], num_evicted, num_slots, num_blocks_kept))
+        copies = ints.take_list()
+        batch.copies = list(zip(copies[0::2], copies[1::2]))
+        return batch
+
+    def update(self, ints: Reader) -> tuple[Sequence, int]:
+        """Bring a sequence's mirror up to date (Workers._describe); returns it and its new tokens."""
+        seq_id, new = ints.take(), ints.take()
+        if new:
+            num_prompt, max_slots = ints.take(), ints.take()
+            method = method_for(_read_settings(ints), self.config, self.config.block_size)
+            self.seqs[seq_id] = Sequence(seq_id, [], SamplingParams(), method=method, max_slots=max_slots,
+                                         block_table=self.tables.new([]))
+            self.seqs[seq_id].num_prompt_tokens = num_prompt
+        seq = self.seqs[seq_id]
+        seq.num_computed_tokens, seq.num_kv_slots, n, changed_from = (ints.take() for _ in range(4))
+        seq.block_table.cut(changed_from)
+        seq.block_table.extend(ints.take_list())
+        tokens = ints.take_list()
+        prompt_part = max(0, min(len(tokens), seq.num_prompt_tokens - len(seq.prompt_token_ids)))
+        seq.prompt_token_ids += tokens[:prompt_part]
+        seq.output_token_ids += tokens[prompt_part:]
+        return seq, n
+
+
+def worker_device(engine: torch.device, rank: int) -> torch.device:
+    """Rank's device: on CUDA the rank-th after the engine's, on a CPU the CPU."""
+    if engine.type != "cuda":
+        return engine
+    return torch.device("cuda", (engine.index + rank) % torch.cuda.device_count())
+
+
+def _work(rank: int, address: str, config: EngineConfig, model: str, cfg: ModelConfig, dtype: torch.dtype,
+          kv_dtype: torch.dtype, device: torch.device) -> None:
+    """A worker process: load its part, then run steps until rank 0 says stop. On an error it
+    says what went wrong and leaves at once: rank 0's next collective fails instead of waiting."""
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.set_num_threads(cpu_threads(config))
+        shard, control = connect(rank, config.tensor_parallel_size, address, device)
+        runner = ModelRunner(config, load_part(config, model, cfg, dtype, device, shard), dtype, device, kv_dtype)
+        mirror = Mirror(runner, config)
+        while True:
+            ints = Reader(broadcast(None, control))
+            kind = ints.take()
+            if kind == STOP:
+                break
+            if kind == KEPT:
+                dist.gather(runner.kept_positions(mirror.update(ints)[0]), dst=0, group=control)
+            else:
+                runner.run(mirror.batch(ints))
+        dist.destroy_process_group()
+    except BaseException:
+        print(f"nanokv: tensor-parallel rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(1)

@@ -1,0 +1,101 @@
+"""Tensor parallelism on the CPU (gloo, one thread per rank): the model split over 2 or 3
+processes gives the single-rank engine's tokens and kept positions, in float64 so that the
+all-reduces' summation order cannot flip a token. Each engine costs a few seconds to start
+(a spawned process per rank), so each test runs several requests and methods through one."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from helpers import preemption_params as params, preemption_prompts as prompts
+from nanokv import LLM, SamplingParams
+
+EVICTING = ["batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "ed"]
+
+
+def engine(directory, **options) -> LLM:
+    return LLM(str(directory), dtype="float64", max_model_len=112, num_threads=1, **options)
+
+
+def run(llm: LLM, method: str) -> list:
+    return llm.generate(prompts(), params(method))
+
+
+@pytest.fixture
+def split(request):
+    """split(directory, size, **options): an engine of size ranks, closed at the end of the test."""
+    engines = []
+
+    def make(directory, size: int, **options) -> LLM:
+        engines.append(engine(directory, tensor_parallel_size=size, **options))
+        return engines[-1]
+    yield make
+    for llm in engines:
+        llm.close()
+
+
+def assert_same(outs, expected) -> None:
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    for out, want in zip(outs, expected):
+        assert (out.kept_positions is None) == (want.kept_positions is None)
+        if want.kept_positions is not None:
+            assert torch.equal(out.kept_positions, want.kept_positions)
+
+
+def test_two_ranks_give_one_rank_s_tokens_and_kept_positions_for_every_method(tiny_dir, split):
+    """A pool small enough to preempt: the workers' mirrors follow recomputed sequences too."""
+    one, two = engine(tiny_dir, num_kv_blocks=9), split(tiny_dir, 2, num_kv_blocks=9)
+    for method in ["full", *EVICTING]:
+        assert_same(run(two, method), run(one, method))
+    assert two.stats().preemptions == one.stats().preemptions > 0
+
+
+@pytest.mark.parametrize("family, kv_cache_dtype", [("llama3", "auto"), ("mistral", "int8"), ("qwen2", "auto"),
+                                                    ("qwen3", "fp8")])
+def test_every_family_splits(tiny_models, split, family, kv_cache_dtype):
+    """llama3's one KV head is replicated on both ranks; qwen2 splits its q/k/v biases, qwen3 keeps
+    its q/k norms whole; a quantized cache's scales are per head, so each rank keeps its own."""
+    methods = ["full"] if family == "llama3" else ["full", "h2o"]
+    options = dict(num_kv_blocks=14, kv_cache_dtype=kv_cache_dtype)
+    one, two = engine(tiny_models(family), **options), split(tiny_models(family), 2, **options)
+    for method in methods:
+        assert_same(run(two, method), run(one, method))
+
+
+def test_the_bundled_model_on_three_ranks(bundled_dir, split):
+    """SmolLM2-135M: 9 query heads and 3 KV heads, one KV head a rank."""
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    prompts = ["The capital of France is", "Write a haiku about the sea."]
+    expected = engine(bundled_dir).generate(prompts, greedy)
+    three = split(bundled_dir, 3)
+    assert [o.token_ids for o in three.generate(prompts, greedy)] == [o.token_ids for o in expected]
+
+
+def test_a_worker_that_dies_ends_the_engine_with_a_clear_error(tiny_dir, split):
+    llm = split(tiny_dir, 2)
+    llm.generate(prompts()[:2], params("full")[:2])
+    llm.workers.processes[0].kill()
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="nanokv-rank-1 ended"):
+        llm.generate(prompts(), params("full"))
+    assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize("size, options, message", [
+    (3, {}, "tensor_parallel_size=3 cannot split this model's 4 query heads, 2 KV heads and 96 MLP columns evenly; "
+            "it allows 1, 2, 4"),
+    (2, dict(kv_method="kvcompress", kv_budget=128), "not split over ranks yet"),
+    (2, dict(kv_offload_gb=0.01), "host tier is not split"),
+    (0, {}, "tensor_parallel_size"),
+])
+def test_what_cannot_be_split_is_a_clear_error_before_any_process_starts(tiny_dir, size, options, message):
+    with pytest.raises(ValueError, match=message):
+        engine(tiny_dir, tensor_parallel_size=size, **options)
+
+
+def test_an_evicting_request_on_a_replicated_kv_head_is_refused(tiny_models, split):
+    llm = split(tiny_models("llama3"), 2)
+    with pytest.raises(ValueError, match="not split over ranks yet"):
+        llm.add_request([1, 2, 3], SamplingParams(kv_method="h2o", kv_budget=128))
