@@ -24,16 +24,26 @@ from models.config import ModelConfig
 @dataclass(frozen=True)
 class Shard:
     """Which part of the model this process holds: rank of size, adding partial sums over group
-    (None: torch.distributed's default group)."""
+    (None: torch.distributed's default group); replicas: the ranks holding the same KV head as
+    this one, when KV heads are replicated (None when each lives on one rank)."""
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    replicas: dist.ProcessGroup | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (one rank: x)."""
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def sum_over_replicas(self, scores: torch.Tensor) -> torch.Tensor:
+        """A replicated KV head's attention scores: each replica's are summed over its own query
+        heads only, so the head's are the sum over its replicas (what one rank would hold)."""
+        if self.replicas is not None:
+            scores = scores.contiguous()   # a collective reads the tensor's memory as if it were
+            dist.all_reduce(scores, group=self.replicas)
+        return scores
 
     def min(self, n: int, device: torch.device) -> int:
         """The smallest of every rank's n."""

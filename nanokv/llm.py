@@ -34,7 +34,7 @@ from nanokv.engine.sampler import FAILED
 from nanokv.engine.scheduler import Scheduler
 from nanokv.engine.sequence import Sequence
 from nanokv.engine.timing import StepClock, Timings
-from nanokv.engine.workers import Workers, cpu_threads, load_part
+from nanokv.engine.workers import Workers, cpu_threads, load_part, run_worker, torchrun_rank, worker_device
 from nanokv.eviction import EvictionSettings, KVMethod, method_for
 from nanokv.outputs import EngineStats, RequestOutput
 from nanokv.sampling_params import SamplingParams
@@ -89,10 +89,14 @@ class LLM:
             self.model_config, self.tokenizer = ModelConfig.from_dir(path), Tokenizer.from_dir(path)
         self.config.max_model_len = self._max_model_len()
         self.kv_dtype = kv_dtype = KV_CACHE_DTYPES[self.config.kv_cache_dtype] or self.dtype
-        self.workers, shard = None, Shard()
+        self.workers, shard, rank = None, Shard(), torchrun_rank(cfg)
         if split:   # the other ranks load their parts beside this one's
             check_split(self.model_config, cfg.tensor_parallel_size)
             self._check_split_method(defaults)
+            if rank:   # torchrun started this process as a worker: it runs rank 0's steps, then ends
+                run_worker(rank, "env://", cfg, str(path or model), self.model_config, self.dtype, kv_dtype,
+                           worker_device(device, rank))
+                raise SystemExit(0)
             self.workers = Workers(cfg, str(path or model), self.model_config, self.dtype, kv_dtype, device)
             self._stop_workers = weakref.finalize(self, self.workers.stop)
             shard = self.workers.shard
@@ -203,12 +207,12 @@ class LLM:
         return method
 
     def _check_split_method(self, method: KVMethod) -> None:
-        """Under tensor parallelism: a ValueError for the methods it does not split yet."""
+        """Under tensor parallelism: a ValueError for the methods it does not split."""
         size = self.config.tensor_parallel_size
-        if size > 1 and method.name != "full" and (method.uneven or self.model_config.num_kv_heads < size):
-            raise ValueError(f"kv_method={method.name!r} with tensor_parallel_size={size}: not split over ranks yet "
-                             "(kvcompress ranks pages across every head; a KV head replicated on several ranks "
-                             "would need its scores summed); use full or another method, or fewer ranks")
+        if size > 1 and method.uneven:
+            raise ValueError(f"kv_method={method.name!r} with tensor_parallel_size={size}: not split over ranks "
+                             "(its heads trade pages within a block, and each rank's pages hold only its own "
+                             "heads); use another method, or one rank")
 
     def close(self) -> None:
         """End the tensor-parallel workers and leave their process group (nothing to do on one

@@ -21,6 +21,7 @@ import torch
 
 import kernels
 from models import KVCache
+from models.tensor_parallel import Shard
 from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import HeadPages, Sequence
 from nanokv.eviction import HeldPairs
@@ -48,8 +49,9 @@ def read_slots(per_slot: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Te
 
 
 class Evictor:
-    def __init__(self, cache: KVCache):
+    def __init__(self, cache: KVCache, shard: Shard = Shard()):
         self.cache, self.block_size, self.device = cache, cache.block_size, cache.k.device
+        self.shard = shard   # a split model's replicated KV heads sum their scores over their replicas
         self.piece_pairs = PIECE_BYTES // held_pair_bytes(cache.k.shape[-1], cache.k.dtype)
 
     def evict(self, evictions: list[Eviction]) -> None:
@@ -99,7 +101,8 @@ class Evictor:
 
     def _held(self, seqs: list[Sequence], tables: torch.Tensor, n: int, lens: torch.Tensor | None = None) -> HeldPairs:
         current = torch.tensor([seq.num_computed_tokens - 1 for seq in seqs], device=self.device)
-        return HeldPairs(read_slots(self.cache.positions, tables, n), read_slots(self.cache.scores, tables, n),
+        scores = self.shard.sum_over_replicas(read_slots(self.cache.scores, tables, n))
+        return HeldPairs(read_slots(self.cache.positions, tables, n), scores,
                          current=current[:, None, None, None], key_norms=lambda: self._key_norms(tables, n), lens=lens)
 
     def _key_norms(self, tables: torch.Tensor, n: int) -> torch.Tensor:

@@ -70,7 +70,7 @@ class ModelRunner:
             num_blocks = model.shard.min(num_blocks, device)   # block ids are the same on every rank
             self.kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
             self.host_cache = self._host_tier(position_cost)
-            self.evictor = evict.Evictor(self.kv_cache)
+            self.evictor = evict.Evictor(self.kv_cache, model.shard)
             self.sampler = Sampler(device, config.seed)
             self.graphs = None
             if self.uses_graphs:

@@ -12,7 +12,8 @@ each layer keep the ranks in step.
 
 The engine starts the workers (spawned processes, one per rank) and connects them to
 itself by torch.distributed: gloo on CPUs, NCCL on GPUs (rank r on the r-th GPU after the
-engine's).
+engine's). Under torchrun (one machine or several) every rank runs the same script: rank 0's
+LLM is the engine, and the others' LLM() runs this worker loop and ends the process.
 """
 from __future__ import annotations
 
@@ -42,25 +43,46 @@ from nanokv.eviction.settings import METHODS
 from nanokv.sampling_params import SamplingParams
 
 STEP, KEPT, STOP = 0, 1, 2   # what a description asks: run a step, gather kept positions, end
-TIMEOUT = datetime.timedelta(minutes=5)   # a collective that waits longer ends the engine with an error
+TIMEOUT = datetime.timedelta(minutes=5)   # a collective of a step that waits longer ends the engine with an error
+IDLE = datetime.timedelta(days=3650)   # how long a worker waits for the next step: an engine may idle for days
+#                                        (a rank 0 that dies closes its connections, which ends the wait at once)
 SETTINGS = ("kv_method", "kv_schedule", "kv_budget", "evict_every", "kv_sinks", "kv_recent", "kv_window",
             "kv_pool", "kv_score_all")
 NAMES = {"kv_method": METHODS, "kv_schedule": tuple(SCHEDULES)}
 
 
-def connect(rank: int, size: int, address: str, device: torch.device) -> tuple[Shard, dist.ProcessGroup | None]:
+def connect(rank: int, size: int, address: str, device: torch.device,
+            num_kv_heads: int) -> tuple[Shard, dist.ProcessGroup]:
     """Join the ranks: the model's all-reduces on the device's backend, the steps' descriptions on
-    a CPU group (the same group on a CPU)."""
+    a gloo group that waits as long as the engine idles; with KV heads replicated, one group per
+    KV head for its replicas' scores (every rank creates every group, in the same order)."""
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=address, rank=rank,
                             world_size=size, timeout=TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=TIMEOUT) if device.type == "cuda" else None
-    return Shard(rank, size), control
+    control = dist.new_group(backend="gloo", timeout=IDLE)
+    replicas, per_head = None, size // num_kv_heads
+    for head in range(num_kv_heads if per_head > 1 else 0):
+        group = dist.new_group(list(range(head * per_head, (head + 1) * per_head)), timeout=TIMEOUT)
+        if rank // per_head == head:
+            replicas = group
+    return Shard(rank, size, replicas=replicas), control
 
 
 def free_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def torchrun_rank(config: EngineConfig) -> int | None:
+    """This process's rank if torchrun started it (it sets RANK and WORLD_SIZE), else None; a
+    ValueError if it started another number of processes than the ranks the engine splits over."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    if world != config.tensor_parallel_size:
+        raise ValueError(f"torchrun started WORLD_SIZE={world} processes but tensor_parallel_size="
+                         f"{config.tensor_parallel_size}: they must be equal (--tensor-parallel-size {world})")
+    return int(os.environ["RANK"])
 
 
 def cpu_threads(config: EngineConfig) -> int:
@@ -129,20 +151,23 @@ class Workers:
     def __init__(self, config: EngineConfig, model: str, cfg: ModelConfig, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: torch.device):
         size = config.tensor_parallel_size
-        address = free_address()
-        context = mp.get_context("spawn")
-        self.processes = [context.Process(target=_work, daemon=True, name=f"nanokv-rank-{rank}",
-                                          args=(rank, address, config, model, cfg, dtype, kv_dtype,
-                                                worker_device(device, rank)))
-                          for rank in range(1, size)]
+        address, self.processes = "env://", []   # under torchrun the other ranks are running already
+        if torchrun_rank(config) is None:
+            address, context = free_address(), mp.get_context("spawn")
+            self.processes = [context.Process(target=run_worker, daemon=True, name=f"nanokv-rank-{rank}",
+                                              args=(rank, address, config, model, cfg, dtype, kv_dtype,
+                                                    worker_device(device, rank)))
+                              for rank in range(1, size)]
         for process in self.processes:
             process.start()
-        self.shard, self.control = connect(0, size, address, device)
+        self.shard, self.control = connect(0, size, address, device, cfg.num_kv_heads)
+        self.replicas = max(1, size // cfg.num_kv_heads)   # ranks holding each KV head
         self.mirrored: dict[int, list] = {}   # seq_id -> [seq, tokens sent]: the workers' mirrors
 
     def check(self, wait_s: float = 0.0) -> None:
         """A RuntimeError if a worker has ended (it said why on its standard error), waiting up to
-        wait_s for one to end (after a collective failed, one is ending)."""
+        wait_s for one to end (after a collective failed, one is ending). Under torchrun the
+        processes are torchrun's: it ends the others when one fails."""
         for process in self.processes:
             process.join(timeout=wait_s)
         dead = [p.name for p in self.processes if p.exitcode is not None]
@@ -183,14 +208,15 @@ class Workers:
         mirror[1] = seq.num_tokens
 
     def kept_positions(self, seq: Sequence, own: torch.Tensor) -> torch.Tensor:
-        """[L, H, n]: seq's kept positions, own ([L, H / N, n], rank 0's KV heads) and the workers'."""
+        """[L, H, n]: seq's kept positions, own (rank 0's KV heads) and the workers' (one replica
+        of each KV head)."""
         self.check()
         ints = [KEPT]
         self._describe(ints, seq, 0)
         broadcast(ints, self.control)
         parts = [torch.empty_like(own) for _ in range(self.shard.size)]
         dist.gather(own, parts, dst=0, group=self.control)
-        return torch.cat(parts, dim=1)
+        return torch.cat(parts[::self.replicas], dim=1)
 
     def stop(self, tell: bool = True) -> None:
         """Tell the workers to end (tell: they are waiting for a step), end those that do not,
@@ -250,21 +276,24 @@ class Mirror:
 
 
 def worker_device(engine: torch.device, rank: int) -> torch.device:
-    """Rank's device: on CUDA the rank-th after the engine's, on a CPU the CPU."""
+    """Rank's device: on CUDA the rank-th after the engine's (under torchrun its LOCAL_RANK-th,
+    on whichever machine it runs), on a CPU the CPU."""
     if engine.type != "cuda":
         return engine
+    if "LOCAL_RANK" in os.environ:
+        return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     return torch.device("cuda", (engine.index + rank) % torch.cuda.device_count())
 
 
-def _work(rank: int, address: str, config: EngineConfig, model: str, cfg: ModelConfig, dtype: torch.dtype,
-          kv_dtype: torch.dtype, device: torch.device) -> None:
+def run_worker(rank: int, address: str, config: EngineConfig, model: str, cfg: ModelConfig, dtype: torch.dtype,
+               kv_dtype: torch.dtype, device: torch.device) -> None:
     """A worker process: load its part, then run steps until rank 0 says stop. On an error it
     says what went wrong and leaves at once: rank 0's next collective fails instead of waiting."""
     try:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         torch.set_num_threads(cpu_threads(config))
-        shard, control = connect(rank, config.tensor_parallel_size, address, device)
+        shard, control = connect(rank, config.tensor_parallel_size, address, device, cfg.num_kv_heads)
         runner = ModelRunner(config, load_part(config, model, cfg, dtype, device, shard), dtype, device, kv_dtype)
         mirror = Mirror(runner, config)
         while True:

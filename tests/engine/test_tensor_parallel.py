@@ -4,6 +4,10 @@ all-reduces' summation order cannot flip a token. Each engine costs a few second
 (a spawned process per rank), so each test runs several requests and methods through one."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -55,9 +59,10 @@ def test_two_ranks_give_one_rank_s_tokens_and_kept_positions_for_every_method(ti
 @pytest.mark.parametrize("family, kv_cache_dtype", [("llama3", "auto"), ("mistral", "int8"), ("qwen2", "auto"),
                                                     ("qwen3", "fp8")])
 def test_every_family_splits(tiny_models, split, family, kv_cache_dtype):
-    """llama3's one KV head is replicated on both ranks; qwen2 splits its q/k/v biases, qwen3 keeps
-    its q/k norms whole; a quantized cache's scales are per head, so each rank keeps its own."""
-    methods = ["full"] if family == "llama3" else ["full", "h2o"]
+    """llama3's one KV head is replicated on both ranks, each summing its scores over its own query
+    heads: every method ranks the sum over the replicas; qwen2 splits its q/k/v biases, qwen3
+    keeps its q/k norms whole; a quantized cache's scales are per head, so each rank keeps its own."""
+    methods = ["full", *EVICTING] if family == "llama3" else ["full", "h2o"]
     options = dict(num_kv_blocks=14, kv_cache_dtype=kv_cache_dtype)
     one, two = engine(tiny_models(family), **options), split(tiny_models(family), 2, **options)
     for method in methods:
@@ -86,7 +91,7 @@ def test_a_worker_that_dies_ends_the_engine_with_a_clear_error(tiny_dir, split):
 @pytest.mark.parametrize("size, options, message", [
     (3, {}, "tensor_parallel_size=3 cannot split this model's 4 query heads, 2 KV heads and 96 MLP columns evenly; "
             "it allows 1, 2, 4"),
-    (2, dict(kv_method="kvcompress", kv_budget=128), "not split over ranks yet"),
+    (2, dict(kv_method="kvcompress", kv_budget=128), "not split over ranks"),
     (2, dict(kv_offload_gb=0.01), "host tier is not split"),
     (0, {}, "tensor_parallel_size"),
 ])
@@ -95,7 +100,21 @@ def test_what_cannot_be_split_is_a_clear_error_before_any_process_starts(tiny_di
         engine(tiny_dir, tensor_parallel_size=size, **options)
 
 
-def test_an_evicting_request_on_a_replicated_kv_head_is_refused(tiny_models, split):
-    llm = split(tiny_models("llama3"), 2)
-    with pytest.raises(ValueError, match="not split over ranks yet"):
-        llm.add_request([1, 2, 3], SamplingParams(kv_method="h2o", kv_budget=128))
+def test_torchrun_starts_the_ranks_instead(tiny_dir, tmp_path):
+    """Under torchrun every rank runs the script: rank 0's LLM is the engine, the other's LLM()
+    serves it and ends its process when the engine closes."""
+    greedy = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    script = tmp_path / "generate.py"
+    script.write_text(textwrap.dedent(f"""
+        import json
+        from nanokv import LLM, SamplingParams
+        llm = LLM({str(tiny_dir)!r}, dtype="float64", max_model_len=112, num_threads=1, tensor_parallel_size=2)
+        outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(**{greedy!r}))
+        print(json.dumps([out.token_ids for out in outs]))
+        llm.close()
+    """))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    expected = engine(tiny_dir).generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(**greedy))
+    assert json.loads(done.stdout.splitlines()[-1]) == [out.token_ids for out in expected]
