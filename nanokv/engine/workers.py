@@ -151,6 +151,9 @@ class Workers:
     def __init__(self, config: EngineConfig, model: str, cfg: ModelConfig, dtype: torch.dtype,
                  kv_dtype: torch.dtype, device: torch.device):
         size = config.tensor_parallel_size
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel LLM is open in this process already: close it (LLM.close()) "
+                               "before starting another")
         address, self.processes = "env://", []   # under torchrun the other ranks are running already
         if torchrun_rank(config) is None:
             address, context = free_address(), mp.get_context("spawn")

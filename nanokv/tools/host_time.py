@@ -55,6 +55,7 @@ def bench_host(args, save) -> list[dict]:
             rows.append(dict(context, mode="host", caching=caching, input_len=args.input_len,
                              output_len=args.output_len, **host_run(llm, batch, method, args)))
             save(rows[-1])
+        llm.close()   # a split engine's ranks end before the next one starts
     print(f"\nhost time per decode step (ms): random:{SHAPE}, fp32, {rows[0]['device']}; prompts of "
           f"{args.input_len} tokens, {args.output_len} new tokens each; |kv| = {args.budgets[0]}, "
           f"p = {args.evict_every} (evicting methods, default schedules)")

@@ -81,6 +81,8 @@ def test_the_bundled_model_on_three_ranks(bundled_dir, split):
 def test_a_worker_that_dies_ends_the_engine_with_a_clear_error(tiny_dir, split):
     llm = split(tiny_dir, 2)
     llm.generate(prompts()[:2], params("full")[:2])
+    with pytest.raises(RuntimeError, match="open in this process already"):   # one process group a process
+        engine(tiny_dir, tensor_parallel_size=2)
     llm.workers.processes[0].kill()
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match="nanokv-rank-1 ended"):
