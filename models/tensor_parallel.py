@@ -41,7 +41,7 @@ class Shard:
         """A replicated KV head's attention scores: each replica's are summed over its own query
         heads only, so the head's are the sum over its replicas (what one rank would hold)."""
         if self.replicas is not None:
-            scores = scores.contiguous()   # a collective reads the tensor's memory as if it were
+            scores = scores.contiguous()   # a collective reads the memory in order, whatever the strides
             dist.all_reduce(scores, group=self.replicas)
         return scores
 
