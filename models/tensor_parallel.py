@@ -45,6 +45,14 @@ class Shard:
             dist.all_reduce(scores, group=self.replicas)
         return scores
 
+    def from_rank_0(self, values: list[float], device: torch.device) -> list[float]:
+        """Rank 0's values on every rank (the others give as many placeholders)."""
+        if self.size == 1:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.broadcast(tensor, 0, group=self.group)
+        return tensor.tolist()
+
     def min(self, n: int, device: torch.device) -> int:
         """The smallest of every rank's n."""
         if self.size == 1:

@@ -45,6 +45,7 @@ class EngineConfig(EvictionSettings):
     num_threads: int | None = None      # CPU threads for torch's ops, for the whole process; None: torch's own
     kv_offload_gb: float = 0.0          # the host tier: KV blocks in host memory beside the pool (0: none),
                                         # for swapped sequences and prefix-cached blocks reclaimed from the pool
+                                        # (split models: in all, each rank holding its heads' part)
     preemption_mode: str | None = None  # a preempted sequence's K/V: "swap" to the host tier (exact, kept
                                         # as it was), "recompute" from its tokens, or "auto": swap when that is
                                         # quicker (measured at start); None: auto with a host tier
@@ -82,9 +83,6 @@ class EngineConfig(EvictionSettings):
         check_float("kv_offload_gb", self.kv_offload_gb, 0, host_memory_gb())
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES, optional=True)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-        if self.tensor_parallel_size > 1 and self.kv_offload_gb:
-            raise ValueError(f"kv_offload_gb={self.kv_offload_gb} with tensor_parallel_size="
-                             f"{self.tensor_parallel_size}: the host tier is not split over ranks yet; use one or the other")
         check_bool("decode_from_host", self.decode_from_host)
         check_bool("partial_recompute", self.partial_recompute)
         if self.decode_from_host and not self.kv_offload_gb:

@@ -23,18 +23,18 @@ from tqdm import tqdm
 import kernels
 from models import HostKVCache, ModelConfig, shapes
 from models.loader import resolve_model_path
-from models.tensor_parallel import Shard, check_split
+from models.tensor_parallel import Shard
 from nanokv.checks import check_token_ids
 from nanokv.config import KV_CACHE_DTYPES, EngineConfig, resolve_dtype
 from nanokv.engine.block_manager import BlockManager
-from nanokv.engine.offload_costs import PositionCost, SwapCost, measure_link_and_device
+from nanokv.engine.offload_costs import SwapCost
 from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.sampler import FAILED
 from nanokv.engine.scheduler import Scheduler
 from nanokv.engine.sequence import Sequence
 from nanokv.engine.timing import StepClock, Timings
-from nanokv.engine.workers import Workers, cpu_threads, load_part, run_worker, torchrun_rank, worker_device
+from nanokv.engine.workers import check_split_method, cpu_threads, load_part, start_workers
 from nanokv.eviction import EvictionSettings, KVMethod, method_for
 from nanokv.outputs import EngineStats, RequestOutput
 from nanokv.sampling_params import SamplingParams
@@ -77,8 +77,7 @@ class LLM:
         defaults = method_for(EvictionSettings(), cfg, cfg.block_size)   # the defaults' combination, checked now
         self.device = device = engine_device(self.config.device)
         kernels.check_device(device, cfg.block_size)
-        split = cfg.tensor_parallel_size > 1
-        if cfg.num_threads is not None or (split and device.type == "cpu"):
+        if cfg.num_threads is not None or (cfg.tensor_parallel_size > 1 and device.type == "cpu"):
             torch.set_num_threads(cpu_threads(cfg))
         self.dtype = resolve_dtype(self.config.dtype, device)
         if model is not None and model.startswith(shapes.RANDOM_PREFIX):   # timing: no files, no tokenizer
@@ -89,27 +88,17 @@ class LLM:
             self.model_config, self.tokenizer = ModelConfig.from_dir(path), Tokenizer.from_dir(path)
         self.config.max_model_len = self._max_model_len()
         self.kv_dtype = kv_dtype = KV_CACHE_DTYPES[self.config.kv_cache_dtype] or self.dtype
-        self.workers, shard, rank = None, Shard(), torchrun_rank(cfg)
-        if split:   # the other ranks load their parts beside this one's
-            check_split(self.model_config, cfg.tensor_parallel_size)
-            self._check_split_method(defaults)
-            if rank:   # torchrun started this process as a worker: it runs rank 0's steps, then ends
-                run_worker(rank, "env://", cfg, str(path or model), self.model_config, self.dtype, kv_dtype,
-                           worker_device(device, rank))
-                raise SystemExit(0)
-            self.workers = Workers(cfg, str(path or model), self.model_config, self.dtype, kv_dtype, device)
+        check_split_method(defaults, cfg.tensor_parallel_size)
+        self.workers = start_workers(cfg, str(path or model), self.model_config, self.dtype, kv_dtype, device)
+        if self.workers is not None:
             self._stop_workers = weakref.finalize(self, self.workers.stop)
-            shard = self.workers.shard
         try:
-            self._build_runner(str(path or model), shard)
+            self._build_runner(str(path or model), self.workers.shard if self.workers else Shard())
         except BaseException:
             if self.workers is not None:   # a worker that failed says so; none is left behind
-                workers, self.workers = self.workers, None
                 self._stop_workers.detach()
-                try:
-                    workers.check(wait_s=5.0)
-                finally:
-                    workers.stop(tell=False)
+                self.workers.abandon()
+                self.workers = None
             raise
         cache = None
         if self.config.enable_prefix_caching:   # a block's contents depend on the model and the cache's dtype
@@ -118,8 +107,9 @@ class LLM:
                                    self.runner.host_cache.num_blocks)
         swap_cost = None
         if cfg.preemption_mode == "auto":
-            swap_cost = SwapCost.of(self.model_config, HostKVCache.bytes_per_block(self.runner.kv_cache),
-                                    *self._link_and_device)
+            link, flops = self.runner.link_and_device   # a split model's ranks move and compute a part each
+            swap_cost = SwapCost.of(self.model_config, HostKVCache.bytes_per_block(self.runner.kv_cache), link,
+                                    flops * cfg.tensor_parallel_size)
         self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path), swap_cost,
                                    self.runner.staging_pages.shape[1])
         self.requests: dict[int, _Request] = {}
@@ -128,24 +118,8 @@ class LLM:
 
     def _build_runner(self, model: str, shard: Shard) -> None:
         """This rank's part of the model and its runner (the pool, the host tier)."""
-        cfg = self.config
-        decoder = load_part(cfg, model, self.model_config, self.dtype, self.device, shard)
-        self._link_and_device = self._measure_link_and_device()
-        position_cost = None
-        if cfg.decode_from_host and cfg.partial_recompute:
-            position_cost = PositionCost.of(self.model_config, self.dtype, self.kv_dtype,
-                                            self.kv_dtype in kernels.QUANT_MAX, *self._link_and_device)
-        self.runner = ModelRunner(cfg, decoder, self.dtype, self.device, self.kv_dtype, position_cost)
-
-    def _measure_link_and_device(self) -> tuple[float, float] | None:
-        """What preemption_mode "auto" and decoding from the host weigh: this machine's link and
-        matmul rate, measured once (nanokv/engine/offload_costs.py); None if nothing weighs them."""
-        cfg = self.config
-        if cfg.preemption_mode != "auto" and not (cfg.decode_from_host and cfg.partial_recompute):
-            return None
-        model = self.model_config
-        return measure_link_and_device(self.device, self.dtype, model.hidden_size,
-                                       2 * model.num_kv_heads * model.head_dim)
+        decoder = load_part(self.config, model, self.model_config, self.dtype, self.device, shard)
+        self.runner = ModelRunner(self.config, decoder, self.dtype, self.device, self.kv_dtype)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -200,19 +174,11 @@ class LLM:
         params.check()
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
         method = method_for(params, self.config, self.config.block_size)
-        self._check_split_method(method)
+        check_split_method(method, self.config.tensor_parallel_size)
         if params.return_kept_positions and method.name == "full":
             raise ValueError("return_kept_positions needs an evicting kv_method (any but full); "
                              "with full every position is kept")
         return method
-
-    def _check_split_method(self, method: KVMethod) -> None:
-        """Under tensor parallelism: a ValueError for the methods it does not split."""
-        size = self.config.tensor_parallel_size
-        if size > 1 and method.uneven:
-            raise ValueError(f"kv_method={method.name!r} with tensor_parallel_size={size}: not split over ranks "
-                             "(its heads trade pages within a block, and each rank's pages hold only its own "
-                             "heads); use another method, or one rank")
 
     def close(self) -> None:
         """End the tensor-parallel workers and leave their process group (nothing to do on one

@@ -19,7 +19,7 @@ from nanokv.config import EngineConfig
 from nanokv.engine import evict, memory
 from nanokv.engine.block_table import BlockTables
 from nanokv.engine.cuda_graphs import DecodeGraphs
-from nanokv.engine.offload_costs import PositionCost, best_split
+from nanokv.engine.offload_costs import PositionCost, best_split, measure_link_and_device
 from nanokv.engine.sampler import FAILED, Sampler, token_logprobs
 from nanokv.engine.scheduler import ScheduledBatch
 from nanokv.engine.sequence import HeadPages, Sequence
@@ -51,9 +51,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: Decoder, dtype: torch.dtype, device: torch.device,
-                 kv_dtype: torch.dtype, position_cost: PositionCost | None = None):
-        """dtype: the model's; kv_dtype: the KV cache's (dtype, or int8 / fp8 for a quantized cache);
-        position_cost: what decoding from the host tier weighs (None: no partial recomputation)."""
+                 kv_dtype: torch.dtype):
+        """dtype: the model's; kv_dtype: the KV cache's (dtype, or int8 / fp8 for a quantized cache)."""
         self.config, self.device, self.dtype, self.kv_dtype = config, device, dtype, kv_dtype
         self.block_size = config.block_size
         self.model = model
@@ -62,6 +61,7 @@ class ModelRunner:
         model_config = model.config
         self.uses_graphs = kernels.captures_graphs(device) and not config.enforce_eager
         with on_device(device):
+            self.link_and_device = self._measure_link_and_device()
             # Flash-decoding's split partials, allocated before the memory profile counts what is in use.
             self.decode_workspace = kernels.decode_workspace_for(
                 config.max_num_seqs, model_config.num_heads, model_config.num_kv_heads, model_config.head_dim, device)
@@ -69,7 +69,7 @@ class ModelRunner:
                                             self.profile_forward)
             num_blocks = model.shard.min(num_blocks, device)   # block ids are the same on every rank
             self.kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
-            self.host_cache = self._host_tier(position_cost)
+            self.host_cache = self._host_tier()
             self.evictor = evict.Evictor(self.kv_cache, model.shard)
             self.sampler = Sampler(device, config.seed)
             self.graphs = None
@@ -77,19 +77,38 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.decode_workspace, config.max_num_seqs,
                                            -(-config.max_model_len // config.block_size), config.max_model_len)
 
-    def _host_tier(self, cost: PositionCost | None) -> HostKVCache:
-        """The host tier of kv_offload_gb, and for decoding from it the pool's staging blocks
+    def _measure_link_and_device(self) -> tuple[float, float] | None:
+        """What decoding from the host (KVPR's split) and preemption_mode "auto" weigh: the link
+        and matmul rate of rank 0's machine, measured once (offload_costs.py); None if nothing
+        weighs them. Every rank splits by rank 0's numbers, so that all recompute alike."""
+        config, model, shard = self.config, self.model.config, self.model.shard
+        recomputes = config.decode_from_host and config.partial_recompute
+        if not recomputes and not (config.preemption_mode == "auto" and shard.rank == 0):
+            return None
+        measured = [0.0, 0.0]
+        if shard.rank == 0:
+            measured = measure_link_and_device(self.device, self.dtype, model.hidden_size,
+                                               2 * model.num_kv_heads * model.head_dim)
+        return tuple(shard.from_rank_0(list(measured), self.device) if recomputes else measured)
+
+    def _host_tier(self) -> HostKVCache:
+        """This rank's part of the host tier of kv_offload_gb (the same number of blocks on every
+        rank, each holding its own KV heads), and for decoding from it the pool's staging blocks
         (the last ones: their L pages each stage one offloaded block, in two halves, each
         enough for every host block, 2/L of the tier, but at most STAGING_SHARE of the pool)
         and the layer inputs of the first input_positions positions of every running sequence,
         as many as KVPR's split may recompute at max_model_len (at most half of the tier)."""
-        config, model, bs = self.config, self.model.config, self.block_size
-        budget = int(config.kv_offload_gb * 1e9)
-        self.split = (lambda s: best_split(s, cost)) if config.partial_recompute and cost else (lambda s: 0)
+        config, model, bs, shard = self.config, self.model.config, self.block_size, self.model.shard
+        budget = int(config.kv_offload_gb * 1e9) // shard.size
+        self.split = lambda s: 0
+        if config.decode_from_host and config.partial_recompute:
+            cost = PositionCost.of(model, self.dtype, self.kv_dtype, self.kv_dtype in kernels.QUANT_MAX,
+                                   *self.link_and_device)
+            self.split = lambda s: best_split(s, cost)
         per_position = config.max_num_seqs * model.num_layers * model.hidden_size * self.dtype.itemsize
         self.input_positions = min(self.split(config.max_model_len), budget // 2 // per_position) // bs * bs
         block_bytes = HostKVCache.bytes_per_block(self.kv_cache)
-        num_blocks = (budget - self.input_positions * per_position) // block_bytes
+        num_blocks = shard.min((budget - self.input_positions * per_position) // block_bytes, self.device)
         if config.kv_offload_gb and not num_blocks:
             raise ValueError(f"kv_offload_gb={config.kv_offload_gb} holds no KV block (one takes "
                              f"{block_bytes} bytes): give more, or 0 for no host tier")

@@ -1,12 +1,13 @@
 """Tensor parallelism's processes (how the model is split: models/tensor_parallel.py).
 
 Rank 0 is the engine: scheduler, block manager, prefix cache, sampling and outputs. Ranks
-1..N-1 are workers: each owns its part of the weights and of the KV pool (the same block
-ids, its own KV heads) and runs every step as rank 0 describes it. The description says
+1..N-1 are workers: each owns its part of the weights, of the KV pool and of the host tier
+(the same block ids, its own KV heads) and runs every step as rank 0 describes it. The description says
 what changed since the last step, as one int64 tensor broadcast on a CPU process group
 (gloo): the sequences that left; each scheduled sequence's counts, the tail of its block
-table that changed and its tokens not yet sent (a new one also with its eviction settings
-and length limit); the evictions and the cached blocks to copy. A worker keeps a mirror of
+table that changed, its tokens not yet sent and the host blocks it decodes from since (a new
+one also with its eviction settings and length limit); the evictions; the blocks to copy to
+the host tier, from it, and from cached blocks. A worker keeps a mirror of
 every running sequence and gives its runner the batch rank 0 runs: the two all-reduces of
 each layer keep the ranks in step.
 
@@ -31,13 +32,13 @@ import torch.multiprocessing as mp
 from models import shapes
 from models.config import ModelConfig
 from models.loader import load_model
-from models.tensor_parallel import Shard
+from models.tensor_parallel import Shard, check_split
 from nanokv.config import EngineConfig
 from nanokv.engine.block_table import BlockTables
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.scheduler import Eviction, ScheduledBatch
 from nanokv.engine.sequence import Sequence, Status
-from nanokv.eviction import EvictionSettings, method_for
+from nanokv.eviction import EvictionSettings, KVMethod, method_for
 from nanokv.eviction.schedules import SCHEDULES
 from nanokv.eviction.settings import METHODS
 from nanokv.sampling_params import SamplingParams
@@ -83,6 +84,28 @@ def torchrun_rank(config: EngineConfig) -> int | None:
         raise ValueError(f"torchrun started WORLD_SIZE={world} processes but tensor_parallel_size="
                          f"{config.tensor_parallel_size}: they must be equal (--tensor-parallel-size {world})")
     return int(os.environ["RANK"])
+
+
+def start_workers(config: EngineConfig, model: str, cfg: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype,
+                  device: torch.device) -> Workers | None:
+    """The workers of a split model, started and connected (None on one rank). A process that
+    torchrun started as a rank > 0 runs rank 0's steps here instead, and ends when the engine does."""
+    rank = torchrun_rank(config)
+    if config.tensor_parallel_size == 1:
+        return None
+    check_split(cfg, config.tensor_parallel_size)
+    if rank:
+        run_worker(rank, "env://", config, model, cfg, dtype, kv_dtype, worker_device(device, rank))
+        raise SystemExit(0)
+    return Workers(config, model, cfg, dtype, kv_dtype, device)
+
+
+def check_split_method(method: KVMethod, size: int) -> None:
+    """A ValueError for a method that tensor parallelism does not split over size ranks."""
+    if size > 1 and method.uneven:
+        raise ValueError(f"kv_method={method.name!r} with tensor_parallel_size={size}: not split over ranks "
+                         "(its heads trade pages within a block, and each rank's pages hold only its own "
+                         "heads); use another method, or one rank")
 
 
 def cpu_threads(config: EngineConfig) -> int:
@@ -136,6 +159,10 @@ def _put_list(ints: list[int], values: list[int]) -> None:
     ints += values
 
 
+def _pairs(values: list[int]) -> list[tuple[int, int]]:
+    return list(zip(values[0::2], values[1::2]))
+
+
 def broadcast(ints: list[int] | None, group) -> list[int]:
     """Rank 0's ints on every rank: the length, then the ints."""
     length = torch.tensor([0 if ints is None else len(ints)])
@@ -165,7 +192,7 @@ class Workers:
             process.start()
         self.shard, self.control = connect(0, size, address, device, cfg.num_kv_heads)
         self.replicas = max(1, size // cfg.num_kv_heads)   # ranks holding each KV head
-        self.mirrored: dict[int, list] = {}   # seq_id -> [seq, tokens sent]: the workers' mirrors
+        self.mirrored: dict[int, list] = {}   # seq_id -> [seq, tokens sent, offloaded blocks sent]: the mirrors
 
     def check(self, wait_s: float = 0.0) -> None:
         """A RuntimeError if a worker has ended (it said why on its standard error), waiting up to
@@ -182,7 +209,7 @@ class Workers:
         """Describe the step rank 0 is about to run."""
         self.check()
         ints = [STEP]
-        gone = [seq_id for seq_id, (seq, _) in self.mirrored.items() if seq.status != Status.RUNNING]
+        gone = [seq_id for seq_id, (seq, *_) in self.mirrored.items() if seq.status != Status.RUNNING]
         for seq_id in gone:   # finished, or preempted (admitted again, it is sent whole again)
             del self.mirrored[seq_id]
         _put_list(ints, gone)
@@ -192,7 +219,8 @@ class Workers:
         ints.append(len(batch.evictions))
         for e in batch.evictions:
             ints += [e.seq.seq_id, e.num_evicted, e.num_slots, e.num_blocks_kept]
-        _put_list(ints, [block for pair in batch.copies for block in pair])
+        for pairs in (batch.saves, batch.loads, batch.copies):
+            _put_list(ints, [block for pair in pairs for block in pair])
         broadcast(ints, self.control)
 
     def _describe(self, ints: list[int], seq: Sequence, n: int) -> None:
@@ -202,13 +230,14 @@ class Workers:
         if mirror is None:
             ints += [seq.num_prompt_tokens, seq.max_slots]
             _write_settings(ints, seq.params)
-            mirror = self.mirrored[seq.seq_id] = [seq, 0]
+            mirror = self.mirrored[seq.seq_id] = [seq, 0, 0]
         table = seq.block_table
         ints += [seq.num_computed_tokens, seq.num_kv_slots, n, table.changed_from]
         _put_list(ints, table.ids[table.changed_from:])
         table.changed_from = len(table.ids)
         _put_list(ints, seq.tokens(mirror[1], seq.num_tokens - mirror[1]))
-        mirror[1] = seq.num_tokens
+        _put_list(ints, seq.offloaded[mirror[2]:])
+        mirror[1:] = seq.num_tokens, len(seq.offloaded)
 
     def kept_positions(self, seq: Sequence, own: torch.Tensor) -> torch.Tensor:
         """[L, H, n]: seq's kept positions, own (rank 0's KV heads) and the workers' (one replica
@@ -220,6 +249,13 @@ class Workers:
         parts = [torch.empty_like(own) for _ in range(self.shard.size)]
         dist.gather(own, parts, dst=0, group=self.control)
         return torch.cat(parts[::self.replicas], dim=1)
+
+    def abandon(self) -> None:
+        """After the engine failed to start: a worker that failed says why; none is left behind."""
+        try:
+            self.check(wait_s=5.0)
+        finally:
+            self.stop(tell=False)
 
     def stop(self, tell: bool = True) -> None:
         """Tell the workers to end (tell: they are waiting for a step), end those that do not,
@@ -254,8 +290,7 @@ class Mirror:
         for _ in range(ints.take()):
             seq_id, num_evicted, num_slots, num_blocks_kept = (ints.take() for _ in range(4))
             batch.evictions.append(Eviction(self.seqs[seq_id], num_evicted, num_slots, num_blocks_kept))
-        copies = ints.take_list()
-        batch.copies = list(zip(copies[0::2], copies[1::2]))
+        batch.saves, batch.loads, batch.copies = (_pairs(ints.take_list()) for _ in range(3))
         return batch
 
     def update(self, ints: Reader) -> tuple[Sequence, int]:
@@ -275,6 +310,7 @@ class Mirror:
         prompt_part = max(0, min(len(tokens), seq.num_prompt_tokens - len(seq.prompt_token_ids)))
         seq.prompt_token_ids += tokens[:prompt_part]
         seq.output_token_ids += tokens[prompt_part:]
+        seq.offloaded += ints.take_list()
         return seq, n
 
 

@@ -77,11 +77,13 @@ def streamed_run(llm: LLM, requests: list) -> dict:
 
 def bench_offload(args, save) -> list[dict]:
     sizing = make_llm(args, MAX_LEN, num_kv_blocks=MAX_LEN)   # only to read the sizes
-    block_size, host_block_bytes = sizing.config.block_size, HostKVCache.bytes_per_block(sizing.runner.kv_cache)
+    block_size = sizing.config.block_size
+    host_block_bytes = HostKVCache.bytes_per_block(sizing.runner.kv_cache) * sizing.config.tensor_parallel_size
     requests = workload(args.num_requests, seed=0, vocab=sizing.model_config.vocab_size)
     concurrent = requests[:sizing.config.max_num_seqs]
     demand = sum(-(-(len(prompt) + n) // block_size) for prompt, n in concurrent)
     pool = max(int(demand * POOL_SHARE), int(-(-MAX_LEN // block_size) / (1 - STAGING_SHARE)) + 1)   # + staging
+    sizing.close()   # a split engine's ranks end before the next one starts
     del sizing
     gc.collect()
     host_gb = HOST_TIMES * pool * host_block_bytes / 1e9
@@ -101,6 +103,7 @@ def bench_offload(args, save) -> list[dict]:
                          **streamed_run(llm, batch)))
         save(rows[-1])
         device, dtype = llm.device, llm.dtype
+        llm.close()
         del llm   # before the next engine takes its memory
         gc.collect()
         torch.cuda.empty_cache()

@@ -9,11 +9,13 @@ import subprocess
 import sys
 import textwrap
 import time
+from unittest.mock import patch
 
 import pytest
 import torch
 
-from helpers import preemption_params as params, preemption_prompts as prompts
+import nanokv.engine.runner
+from helpers import FAMILIES, VOCAB, make_tiny_model, preemption_params as params, preemption_prompts as prompts
 from nanokv import LLM, SamplingParams
 
 EVICTING = ["batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "ed"]
@@ -78,6 +80,37 @@ def test_the_bundled_model_on_three_ranks(bundled_dir, split):
     assert [o.token_ids for o in three.generate(prompts, greedy)] == [o.token_ids for o in expected]
 
 
+def test_the_host_tier_splits(tmp_path, split, monkeypatch):
+    """Each rank keeps its KV heads' part of every host block: full-cache requests decode from
+    the host, the first positions recomputed from their layer inputs (which every rank keeps
+    whole), the newest are swapped out and back, and a chat's cached blocks reclaimed from the
+    device spill there and are found again, all as on one rank. Every rank splits by rank 0's
+    link and device, here a device quick enough for recomputing to pay. A rank moves its heads'
+    K/V but the whole layer input, so the model has 4 KV heads: with qwen3's 2, one a rank, the
+    two are the same size and recomputing never pays."""
+    monkeypatch.setattr(nanokv.engine.runner, "measure_link_and_device", lambda *args: (1e9, 1e12))
+    with patch.dict(FAMILIES, {"qwen3-mha": dict(FAMILIES["qwen3"], num_key_value_heads=4)}):
+        make_tiny_model(tmp_path, "qwen3-mha")
+    options = dict(num_kv_blocks=16, max_num_seqs=8, kv_offload_gb=0.0032, decode_from_host=True,
+                   preemption_mode="swap")
+    g = torch.Generator().manual_seed(1)
+    first, others = torch.randint(0, VOCAB, (64,), generator=g).tolist(), torch.randint(0, VOCAB, (3, 90), generator=g)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def serve(llm: LLM) -> list:
+        outs = [*run(llm, "full"), *run(llm, "h2o")]
+        turn = llm.generate([first], greedy)[0]
+        llm.generate(others.tolist(), greedy)
+        return outs + llm.generate([turn.prompt_token_ids + turn.token_ids + [5, 6, 7]], greedy)
+
+    one, two = engine(tmp_path, **options), split(tmp_path, 2, **options)
+    assert_same(serve(two), serve(one))
+    assert two.runner.input_positions > 0 and one.runner.input_positions > 0
+    stats = two.stats()
+    assert stats.blocks_offloaded > 0 and stats.positions_recomputed > 0 and stats.swaps > 0 and stats.host_hits > 0
+    assert stats.free_blocks == stats.total_blocks and stats.host_blocks_used == 0
+
+
 def test_a_worker_that_dies_ends_the_engine_with_a_clear_error(tiny_dir, split):
     llm = split(tiny_dir, 2)
     llm.generate(prompts()[:2], params("full")[:2])
@@ -94,7 +127,6 @@ def test_a_worker_that_dies_ends_the_engine_with_a_clear_error(tiny_dir, split):
     (3, {}, "tensor_parallel_size=3 cannot split this model's 4 query heads, 2 KV heads and 96 MLP columns evenly; "
             "it allows 1, 2, 4"),
     (2, dict(kv_method="kvcompress", kv_budget=128), "not split over ranks"),
-    (2, dict(kv_offload_gb=0.01), "host tier is not split"),
     (0, {}, "tensor_parallel_size"),
 ])
 def test_what_cannot_be_split_is_a_clear_error_before_any_process_starts(tiny_dir, size, options, message):
