@@ -53,12 +53,39 @@ class Shard:
         dist.broadcast(tensor, 0, group=self.group)
         return tensor.tolist()
 
+    @property
+    def num_replicas(self) -> int:
+        """Ranks holding each of this rank's KV heads (1 unless KV heads are replicated)."""
+        return 1 if self.replicas is None else dist.get_world_size(self.replicas)
+
+    def own_heads(self, num_kv_heads: int) -> slice:
+        """This rank's KV heads among the model's num_kv_heads."""
+        local = max(num_kv_heads // self.size, 1)
+        first = self.rank // self.num_replicas * local
+        return slice(first, first + local)
+
+    def all_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """x [S, L, H, ...] of this rank's H KV heads -> the same of every KV head of the model
+        (one replica of each), in the model's order, on every rank."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts[::self.num_replicas], dim=2)
+
     def min(self, n: int, device: torch.device) -> int:
         """The smallest of every rank's n."""
+        return self._reduce(n, device, dist.ReduceOp.MIN)
+
+    def max(self, n: int, device: torch.device) -> int:
+        """The largest of every rank's n."""
+        return self._reduce(n, device, dist.ReduceOp.MAX)
+
+    def _reduce(self, n: int, device: torch.device, op) -> int:
         if self.size == 1:
             return n
         value = torch.tensor([n], device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(value, op=op, group=self.group)
         return int(value)
 
 

@@ -34,7 +34,7 @@ from nanokv.engine.sampler import FAILED
 from nanokv.engine.scheduler import Scheduler
 from nanokv.engine.sequence import Sequence
 from nanokv.engine.timing import StepClock, Timings
-from nanokv.engine.workers import check_split_method, cpu_threads, load_part, start_workers
+from nanokv.engine.workers import cpu_threads, load_part, start_workers
 from nanokv.eviction import EvictionSettings, KVMethod, method_for
 from nanokv.outputs import EngineStats, RequestOutput
 from nanokv.sampling_params import SamplingParams
@@ -74,7 +74,7 @@ class LLM:
                             f"the options are {', '.join(sorted(fields - {'model', 'dtype'}))}")
         self.config = EngineConfig(model=model, dtype=dtype, **options)
         cfg = self.config
-        defaults = method_for(EvictionSettings(), cfg, cfg.block_size)   # the defaults' combination, checked now
+        method_for(EvictionSettings(), cfg, cfg.block_size)   # the defaults' combination, checked now
         self.device = device = engine_device(self.config.device)
         kernels.check_device(device, cfg.block_size)
         if cfg.num_threads is not None or (cfg.tensor_parallel_size > 1 and device.type == "cpu"):
@@ -88,7 +88,6 @@ class LLM:
             self.model_config, self.tokenizer = ModelConfig.from_dir(path), Tokenizer.from_dir(path)
         self.config.max_model_len = self._max_model_len()
         self.kv_dtype = kv_dtype = KV_CACHE_DTYPES[self.config.kv_cache_dtype] or self.dtype
-        check_split_method(defaults, cfg.tensor_parallel_size)
         self.workers = start_workers(cfg, str(path or model), self.model_config, self.dtype, kv_dtype, device)
         if self.workers is not None:
             self._stop_workers = weakref.finalize(self, self.workers.stop)
@@ -97,7 +96,7 @@ class LLM:
         except BaseException:
             if self.workers is not None:   # a worker that failed says so; none is left behind
                 self._stop_workers.detach()
-                self.workers.abandon()
+                self.workers.fail()
                 self.workers = None
             raise
         cache = None
@@ -174,7 +173,6 @@ class LLM:
         params.check()
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
         method = method_for(params, self.config, self.config.block_size)
-        check_split_method(method, self.config.tensor_parallel_size)
         if params.return_kept_positions and method.name == "full":
             raise ValueError("return_kept_positions needs an evicting kv_method (any but full); "
                              "with full every position is kept")
@@ -256,8 +254,8 @@ class LLM:
         except Exception:
             if self.blocks.cache is not None:
                 self.blocks.cache.forget_pending()
-            if self.workers is not None:   # a collective that failed: a worker is gone, say which
-                self.workers.check(wait_s=5.0)
+            if self.workers is not None:   # the ranks are out of step: a worker that ended says so; all end
+                self.workers.fail()
             raise
         failed = self._take_sampling_failures(sampled)
         done = {seq.seq_id: reason for seq, reason in self.scheduler.update(batch, sampled)}

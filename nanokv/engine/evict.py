@@ -57,20 +57,20 @@ class Evictor:
     def evict(self, evictions: list[Eviction]) -> None:
         """Drop each eviction's pairs from every (layer, KV head) of its sequence and compact
         the survivors into the first slots. Sequences evicting alike are done together: those
-        of one rule, slot count and eviction count (an uneven method's also of one page width
-        and blocks kept)."""
+        of one rule, slot count and eviction count (an uneven method's also of one plan of
+        blocks kept, and all evicting for the first time or none)."""
         groups = defaultdict(list)
         for e in evictions:
             seq = e.seq
             if seq.method.uneven:
-                width = None if seq.head_pages is None else seq.head_pages.tables.shape[-1]
-                groups[seq.method.rule, e.num_slots, e.num_evicted, e.num_blocks_kept, width].append(seq)
+                groups[seq.method.rule, e.num_slots, e.num_evicted, e.num_blocks_kept, seq.head_pages is None].append(e)
             else:
-                groups[seq.method.rule, e.num_slots, e.num_evicted].append(seq)
-        for (_, num_slots, num_evicted, *uneven), seqs in groups.items():
+                groups[seq.method.rule, e.num_slots, e.num_evicted].append(e)
+        for (_, num_slots, num_evicted, *uneven), group in groups.items():
             if uneven:
-                self._evict_pages(seqs, num_slots, num_evicted, uneven[0])
+                self._evict_pages(group)
                 continue
+            seqs = [e.seq for e in group]
             tables = self._tables(seqs, num_slots)
             for in_piece, layers in self._pieces(len(seqs), num_slots):
                 piece = tables[in_piece, layers]
@@ -126,20 +126,22 @@ class Evictor:
     def _head_pages(self, seqs: list[Sequence], num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Uneven sequences' pages [S, L, Hkv, W] and pairs per head [S, L, Hkv] when they hold
         num_slots slots (per head on average): their blocks' pages until their first eviction.
-        All of seqs have evicted before, with pages of one width, or none has."""
+        All of seqs have evicted before, or none has."""
         if seqs[0].head_pages is None:
             tables = self._tables(seqs, num_slots)
             return tables, torch.full(tables.shape[:3], num_slots, device=self.device)
         tables, lens = HeadPages.stack([seq.head_pages for seq in seqs])
-        return tables, lens.long() + (num_slots - seqs[0].head_pages.slots)
+        taken = torch.tensor([num_slots - seq.head_pages.slots for seq in seqs], device=self.device)
+        return tables, lens.long() + taken[:, None, None]
 
-    def _evict_pages(self, seqs: list[Sequence], num_slots: int, num_evicted: int, num_blocks_kept: int) -> None:
+    def _evict_pages(self, evictions: list[Eviction]) -> None:
         """KV-Compress: each sequence's heads go down to num_slots - num_evicted pairs each on
         average by giving up whole pages, chosen across all its heads and layers by the ranking;
         each head's survivors move to the front of its pages (MoveCache), and its pages in
         blocks the sequence gives back after this step move into the blocks it keeps, whose
         unused pages are shared out among the heads. The pages' costs are computed a piece at
         a time, then chosen over all of a sequence's, then each piece compacted."""
+        seqs, num_slots, num_evicted = [e.seq for e in evictions], evictions[0].num_slots, evictions[0].num_evicted
         tables, lens = self._head_pages(seqs, num_slots)
         S, L, H, width = tables.shape
         method, bs, n = seqs[0].method, self.block_size, width * self.block_size
@@ -153,8 +155,7 @@ class Evictor:
         for in_piece, layers in pieces:
             costs[in_piece, layers] = page_costs(priority(in_piece, layers), lens[in_piece, layers], bs,
                                                  method.floor_pages(bs))
-        target = (num_slots - num_evicted) * L * H // bs
-        evicted = choose_pages(costs, (held_pages.flatten(1).sum(1) - target).clamp(min=0))
+        evicted = self._choose_pages(costs, lens, num_slots - num_evicted, evictions)
         kept_lens = torch.empty_like(lens)
         for in_piece, layers in pieces:
             keep, kept_lens[in_piece, layers] = kept_slots(priority(in_piece, layers), lens[in_piece, layers],
@@ -162,14 +163,43 @@ class Evictor:
             kernels.compact_kv(self.cache.per_slot, tables[in_piece, layers], keep, kept_lens[in_piece, layers])
         if method.windowed:   # its scores restart (KVC-full's keep accumulating)
             self.cache.scores[tables[torch.arange(width, device=self.device) < held_pages[..., None]]] = 0.0
-        staying, kept_pages, kept_lens = self._tables(seqs, num_blocks_kept * bs), held_pages - evicted, kept_lens.int()
+        kept_pages, kept_lens = held_pages - evicted, kept_lens.int()
         for start, stop in dict.fromkeys((in_piece.start, in_piece.stop) for in_piece, _ in pieces):
-            part = slice(start, stop)   # whole sequences, as many as a piece holds
-            part_tables, src, dst = repage(tables[part], kept_pages[part], staying[part].flatten(1))
-            for buffer in self.cache.per_slot:
-                buffer[dst.long()] = buffer[src.long()]
-            for row, seq in enumerate(seqs[part]):
-                seq.head_pages = HeadPages(part_tables, kept_lens[part], row, seq.num_kv_slots)
+            whole = range(S)[start:stop]   # whole sequences, as many as a piece holds
+            for blocks in dict.fromkeys(evictions[i].num_blocks_kept for i in whole):
+                part = [i for i in whole if evictions[i].num_blocks_kept == blocks]
+                staying = self._tables([seqs[i] for i in part], blocks * bs).flatten(1)
+                part_tables, src, dst = repage(tables[part], kept_pages[part], staying)
+                for buffer in self.cache.per_slot:
+                    buffer[dst.long()] = buffer[src.long()]
+                for row, i in enumerate(part):
+                    seqs[i].head_pages = HeadPages(part_tables, kept_lens[part], row, seqs[i].num_kv_slots)
+
+    def _choose_pages(self, costs: torch.Tensor, lens: torch.Tensor, kept_slots: int,
+                      evictions: list[Eviction]) -> torch.Tensor:
+        """The pages each head gives up [S, L, H]: each sequence's cheapest by costs [S, L, H, W]
+        until its heads hold kept_slots pairs each on average, chosen over every KV head of the
+        model (a split model's ranks' costs and lens gathered: the same choice on every rank).
+        A split model's rank whose heads keep more pages than their share of the blocks kept
+        needs more of them: each eviction's num_blocks_kept grows to what its fullest rank needs,
+        with the room for new pairs per head that one rank would have."""
+        bs, shard = self.block_size, self.shard
+        width = shard.max(costs.shape[-1], self.device)   # the ranks' page tables may be of other widths
+        mine = torch.cat([torch.nn.functional.pad(costs, (0, width - costs.shape[-1]), value=float("inf")),
+                          lens[..., None].to(costs.dtype)], dim=-1)
+        every = shard.all_heads(mine.double() if shard.size > 1 else mine)   # lens stay exact in float64
+        all_lens = every[..., -1].long()
+        S, L, num_heads = all_lens.shape
+        held = -(-all_lens // bs)
+        target = kept_slots * L * num_heads // bs
+        evicted = choose_pages(every[..., :-1], (held.flatten(1).sum(1) - target).clamp(min=0))
+        if shard.size > 1:
+            kept, local = held - evicted, costs.shape[2]
+            fullest = -(-kept.view(S, L, num_heads // local, local).sum((1, 3)) // (L * local))   # [S, parts]
+            extra = fullest.amax(1) - -(-kept.flatten(1).sum(1) // (L * num_heads))
+            for e, more in zip(evictions, extra.tolist()):
+                e.num_blocks_kept = min(e.num_blocks_kept + more, len(e.seq.block_table.ids))
+        return evicted[:, :, shard.own_heads(num_heads)]
 
     def kept_positions(self, seq: Sequence) -> torch.Tensor:
         """The original positions of the pairs seq holds at the end, per layer and KV head:

@@ -176,10 +176,17 @@ class Scheduler:
         evict = seq.method.schedule.evict_count(seq)
         slots = seq.num_kv_slots - evict
         n = min(budget, seq.method.schedule.max_chunk(seq, slots))
-        if not self._make_room(seq, slots + n, batch):
+        # What it keeps after an eviction: the chunk's slots, and at least its steady size.
+        kept = self.blocks.blocks_for(max(slots + n, seq.method.schedule.steady_slots(seq)))
+        room = slots + n
+        if evict and seq.method.uneven and self.config.tensor_parallel_size > 1:
+            # Split over ranks, one rank's heads may keep every page they hold and still need their
+            # room for new pairs (evict.py, _choose_pages): the blocks it holds and that room.
+            room = max(room, min((len(seq.block_table.ids) + kept - slots // self.blocks.block_size)
+                                 * self.blocks.block_size, self.config.max_model_len))
+        if not self._make_room(seq, room, batch):
             return 0
-        if evict:   # what it keeps after the step: the chunk's slots, and at least its steady size
-            kept = self.blocks.blocks_for(max(slots + n, seq.method.schedule.steady_slots(seq)))
+        if evict:
             batch.evictions.append(Eviction(seq, evict, seq.num_kv_slots, kept))
             seq.num_kv_slots = slots   # the runner compacts before the forward pass
         batch.seqs.append(seq)

@@ -38,7 +38,7 @@ from nanokv.engine.block_table import BlockTables
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.scheduler import Eviction, ScheduledBatch
 from nanokv.engine.sequence import Sequence, Status
-from nanokv.eviction import EvictionSettings, KVMethod, method_for
+from nanokv.eviction import EvictionSettings, method_for
 from nanokv.eviction.schedules import SCHEDULES
 from nanokv.eviction.settings import METHODS
 from nanokv.sampling_params import SamplingParams
@@ -100,14 +100,6 @@ def start_workers(config: EngineConfig, model: str, cfg: ModelConfig, dtype: tor
     return Workers(config, model, cfg, dtype, kv_dtype, device)
 
 
-def check_split_method(method: KVMethod, size: int) -> None:
-    """A ValueError for a method that tensor parallelism does not split over size ranks."""
-    if size > 1 and method.uneven:
-        raise ValueError(f"kv_method={method.name!r} with tensor_parallel_size={size}: not split over ranks "
-                         "(its heads trade pages within a block, and each rank's pages hold only its own "
-                         "heads); use another method, or one rank")
-
-
 def cpu_threads(config: EngineConfig) -> int:
     """A rank's CPU threads: the option, or the cores shared out between the ranks."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -163,6 +155,11 @@ def _pairs(values: list[int]) -> list[tuple[int, int]]:
     return list(zip(values[0::2], values[1::2]))
 
 
+def _padded(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """Kept positions [L, H, n] padded with -1 to [L, H, length]: the same shape on every rank."""
+    return torch.nn.functional.pad(positions, (0, length - positions.shape[-1]), value=-1)
+
+
 def broadcast(ints: list[int] | None, group) -> list[int]:
     """Rank 0's ints on every rank: the length, then the ints."""
     length = torch.tensor([0 if ints is None else len(ints)])
@@ -192,12 +189,17 @@ class Workers:
             process.start()
         self.shard, self.control = connect(0, size, address, device, cfg.num_kv_heads)
         self.replicas = max(1, size // cfg.num_kv_heads)   # ranks holding each KV head
+        self.max_model_len = config.max_model_len
+        self.stopped = False
         self.mirrored: dict[int, list] = {}   # seq_id -> [seq, tokens sent, offloaded blocks sent]: the mirrors
 
     def check(self, wait_s: float = 0.0) -> None:
         """A RuntimeError if a worker has ended (it said why on its standard error), waiting up to
         wait_s for one to end (after a collective failed, one is ending). Under torchrun the
         processes are torchrun's: it ends the others when one fails."""
+        if self.stopped:
+            raise RuntimeError("tensor parallelism: the ranks were ended after a step failed (its error was raised "
+                               "then); the engine cannot go on: close it (LLM.close) and start a new one")
         for process in self.processes:
             process.join(timeout=wait_s)
         dead = [p.name for p in self.processes if p.exitcode is not None]
@@ -241,33 +243,41 @@ class Workers:
 
     def kept_positions(self, seq: Sequence, own: torch.Tensor) -> torch.Tensor:
         """[L, H, n]: seq's kept positions, own (rank 0's KV heads) and the workers' (one replica
-        of each KV head)."""
+        of each KV head), -1 after a head's last (an uneven method's heads hold different numbers)."""
         self.check()
         ints = [KEPT]
         self._describe(ints, seq, 0)
         broadcast(ints, self.control)
+        own = _padded(own, self.max_model_len)
         parts = [torch.empty_like(own) for _ in range(self.shard.size)]
         dist.gather(own, parts, dst=0, group=self.control)
-        return torch.cat(parts[::self.replicas], dim=1)
+        every = torch.cat(parts[::self.replicas], dim=1)
+        return every[..., :int((every >= 0).sum(-1).max())]
 
-    def abandon(self) -> None:
-        """After the engine failed to start: a worker that failed says why; none is left behind."""
+    def fail(self) -> None:
+        """After the start or a step failed on any rank, the ranks are out of step and none can go
+        on: a worker that ended says so (a RuntimeError); the others are ended at once (they may be
+        waiting in a collective that will not come)."""
         try:
-            self.check(wait_s=5.0)
+            self.check(wait_s=2.0)   # a worker that failed leaves as its collective fails
         finally:
             self.stop(tell=False)
 
     def stop(self, tell: bool = True) -> None:
         """Tell the workers to end (tell: they are waiting for a step), end those that do not,
-        and leave the process group."""
+        and leave the process group; once."""
+        if self.stopped:
+            return
+        self.stopped = True
         try:
             if tell and all(p.exitcode is None for p in self.processes):
                 broadcast([STOP], self.control)
         finally:
             for process in self.processes:
-                process.join(timeout=10)
+                process.join(timeout=10 if tell else 0)
                 if process.is_alive():
                     process.kill()
+                    process.join()
             dist.destroy_process_group()
 
 
@@ -341,7 +351,8 @@ def run_worker(rank: int, address: str, config: EngineConfig, model: str, cfg: M
             if kind == STOP:
                 break
             if kind == KEPT:
-                dist.gather(runner.kept_positions(mirror.update(ints)[0]), dst=0, group=control)
+                positions = runner.kept_positions(mirror.update(ints)[0])
+                dist.gather(_padded(positions, config.max_model_len), dst=0, group=control)
             else:
                 runner.run(mirror.batch(ints))
         dist.destroy_process_group()

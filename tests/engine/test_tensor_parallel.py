@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from unittest.mock import patch
 
 import pytest
@@ -16,13 +17,14 @@ import torch
 
 import nanokv.engine.runner
 from helpers import FAMILIES, VOCAB, make_tiny_model, preemption_params as params, preemption_prompts as prompts
+from models.tensor_parallel import Shard
 from nanokv import LLM, SamplingParams
 
-EVICTING = ["batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "ed"]
+EVICTING = ["batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "ed"]   # kvcompress: apart
 
 
 def engine(directory, **options) -> LLM:
-    return LLM(str(directory), dtype="float64", max_model_len=112, num_threads=1, **options)
+    return LLM(str(directory), **{"dtype": "float64", "max_model_len": 112, "num_threads": 1, **options})
 
 
 def run(llm: LLM, method: str) -> list:
@@ -51,11 +53,40 @@ def assert_same(outs, expected) -> None:
 
 
 def test_two_ranks_give_one_rank_s_tokens_and_kept_positions_for_every_method(tiny_dir, split):
-    """A pool small enough to preempt: the workers' mirrors follow recomputed sequences too."""
+    """A pool small enough to preempt: the workers' mirrors follow recomputed sequences too.
+    kvcompress holds a block more for each eviction step under tensor parallelism (evict.py),
+    so it preempts more often; its tokens and kept positions are still one rank's."""
     one, two = engine(tiny_dir, num_kv_blocks=9), split(tiny_dir, 2, num_kv_blocks=9)
     for method in ["full", *EVICTING]:
         assert_same(run(two, method), run(one, method))
     assert two.stats().preemptions == one.stats().preemptions > 0
+    assert_same(run(two, "kvcompress"), run(one, "kvcompress"))
+
+
+def test_kvcompress_keeps_more_blocks_where_one_rank_s_heads_keep_more(tiny_dir, split):
+    """The pages a sequence gives up are chosen over every rank's heads, so one rank's heads may
+    keep more pages than their share of the blocks kept: the sequence then keeps more blocks
+    (each rank's heads keep their room for new pairs), never other positions."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (40, 120, 90, 100, 33, 150)]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, kv_method="kvcompress", kv_budget=64,
+                            evict_every=32, kv_schedule="decode", return_kept_positions=True)
+
+    def blocks_held(llm: LLM) -> tuple[list, list[dict]]:
+        """The outputs, and after every step each running sequence's blocks."""
+        for prompt in prompts:
+            llm.add_request(prompt, params)
+        outs, held = {}, []
+        while llm.has_unfinished():
+            outs.update({o.request_id: o for o in llm.step() if o.finished})
+            held.append({seq.seq_id: len(seq.block_table) for seq in llm.scheduler.running})
+        return [outs[i] for i in sorted(outs)], held
+
+    (expected, one), (outs, two) = (blocks_held(engine(tiny_dir, max_model_len=256, num_kv_blocks=80)),
+                                    blocks_held(split(tiny_dir, 2, max_model_len=256, num_kv_blocks=80)))
+    assert_same(outs, expected)
+    pairs = [(step_two[seq_id], blocks) for step_one, step_two in zip(one, two) for seq_id, blocks in step_one.items()]
+    assert len(one) == len(two) and all(a >= b for a, b in pairs) and any(a > b for a, b in pairs)
 
 
 @pytest.mark.parametrize("family, kv_cache_dtype", [("llama3", "auto"), ("mistral", "int8"), ("qwen2", "auto"),
@@ -64,7 +95,7 @@ def test_every_family_splits(tiny_models, split, family, kv_cache_dtype):
     """llama3's one KV head is replicated on both ranks, each summing its scores over its own query
     heads: every method ranks the sum over the replicas; qwen2 splits its q/k/v biases, qwen3
     keeps its q/k norms whole; a quantized cache's scales are per head, so each rank keeps its own."""
-    methods = ["full", *EVICTING] if family == "llama3" else ["full", "h2o"]
+    methods = ["full", *EVICTING, "kvcompress"] if family == "llama3" else ["full", "h2o"]
     options = dict(num_kv_blocks=14, kv_cache_dtype=kv_cache_dtype)
     one, two = engine(tiny_models(family), **options), split(tiny_models(family), 2, **options)
     for method in methods:
@@ -123,10 +154,65 @@ def test_a_worker_that_dies_ends_the_engine_with_a_clear_error(tiny_dir, split):
     assert time.perf_counter() - start < 10
 
 
+@dataclass(frozen=True)
+class BesideACheaperRank(Shard):
+    """Eviction's view of rank 0 of 2, in one process: the other rank holds as many KV heads,
+    with as many pairs, and every page of theirs above the floor is cheaper than any of ours."""
+    rank: int = 0
+    size: int = 2
+    block_size: int = 16
+    floor_pages: int = 1
+
+    def max(self, n: int, device) -> int:
+        return n
+
+    def all_heads(self, x: torch.Tensor) -> torch.Tensor:   # [S, L, H, W + 1]: page costs, then lens
+        lens = x[..., -1:]
+        count = torch.arange(1, x.shape[-1], dtype=x.dtype)
+        held = torch.ceil(lens / self.block_size)
+        theirs = torch.where(count <= held - self.floor_pages, float("-inf"), float("inf"))
+        return torch.cat([x, torch.cat([theirs, lens], dim=-1)], dim=2)
+
+
+def test_a_rank_whose_heads_keep_every_page_keeps_their_room_for_new_pairs(tiny_dir):
+    """The extreme of the uneven split: all the pages a kvcompress eviction gives up are another
+    rank's, so this one's heads keep every pair and, to take new ones until the next eviction, the
+    sequence keeps more blocks than one rank would, and holds them for the step (the scheduler
+    makes room first). Up to the next eviction its heads then decode exactly as with a full
+    cache; a head short of room would write over another's pages. Prompts of 33 to 48 tokens:
+    the other rank's cheap pages are enough for the eviction after each (down to |kv| - p = 32)."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (40, 48, 34, 45, 33, 47)]
+    greedy = dict(temperature=0, max_tokens=33, ignore_eos=True)   # 32 decodes after the eviction, the next's
+    evicting = SamplingParams(**greedy, kv_method="kvcompress", kv_budget=64, evict_every=32, kv_schedule="decode")
+    llm = engine(tiny_dir, num_kv_blocks=40)
+    llm.runner.evictor.shard = BesideACheaperRank()
+    llm.config.tensor_parallel_size = 2   # what the scheduler reads: it makes the room
+    outs = llm.generate(prompts, evicting)
+    expected = engine(tiny_dir, num_kv_blocks=40).generate(prompts, SamplingParams(**greedy))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
+    assert llm.blocks.num_free == 40
+
+
+def test_a_step_that_fails_on_rank_0_ends_the_workers_at_once(tiny_dir, split, monkeypatch):
+    """The workers wait in the step's collectives for a rank 0 that will not come: they are ended
+    (not left waiting for the collectives' timeout), and the engine refuses to go on."""
+    llm = split(tiny_dir, 2)
+
+    def fail(*args, **kwargs):
+        raise ValueError("a failure on rank 0")
+    monkeypatch.setattr(llm.runner, "prepare", fail)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="a failure on rank 0"):
+        llm.generate(prompts()[:2], params("full")[:2])
+    assert time.perf_counter() - start < 20 and not any(p.is_alive() for p in llm.workers.processes)
+    with pytest.raises(RuntimeError, match="the ranks were ended after a step failed"):
+        llm.generate(prompts()[:2], params("full")[:2])
+
+
 @pytest.mark.parametrize("size, options, message", [
     (3, {}, "tensor_parallel_size=3 cannot split this model's 4 query heads, 2 KV heads and 96 MLP columns evenly; "
             "it allows 1, 2, 4"),
-    (2, dict(kv_method="kvcompress", kv_budget=128), "not split over ranks"),
     (0, {}, "tensor_parallel_size"),
 ])
 def test_what_cannot_be_split_is_a_clear_error_before_any_process_starts(tiny_dir, size, options, message):
