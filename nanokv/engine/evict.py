@@ -5,7 +5,8 @@ The scheduler decides who drops how many pairs (the method's schedule); here eac
 and the survivors compacted into the head's first slots in their old order, so
 slot order stays position order (kernels.compact_kv). Sequences of one rule,
 size and count are ranked together; an uneven method (kvcompress) gives up whole
-pages chosen across all its heads and layers (nanokv/eviction/pages.py).
+pages chosen across all its heads and layers, of every rank when the model is split
+(nanokv/eviction/pages.py).
 
 Ranking and moving allocate memory per held pair (held_pair_bytes), so the
 pairs are taken a piece at a time, (sequences, layers), each within PIECE_BYTES

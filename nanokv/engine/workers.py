@@ -2,12 +2,12 @@
 
 Rank 0 is the engine: scheduler, block manager, prefix cache, sampling and outputs. Ranks
 1..N-1 are workers: each owns its part of the weights, of the KV pool and of the host tier
-(the same block ids, its own KV heads) and runs every step as rank 0 describes it. The description says
-what changed since the last step, as one int64 tensor broadcast on a CPU process group
-(gloo): the sequences that left; each scheduled sequence's counts, the tail of its block
-table that changed, its tokens not yet sent and the host blocks it decodes from since (a new
-one also with its eviction settings and length limit); the evictions; the blocks to copy to
-the host tier, from it, and from cached blocks. A worker keeps a mirror of
+(the same block ids, its own KV heads) and runs every step as rank 0 describes it. The
+description says what changed since the last step, as one int64 tensor broadcast on a CPU
+process group (gloo): the sequences that left; each scheduled sequence's counts, the tail of
+its block table that changed, its tokens not yet sent and the host blocks it decodes from
+since (a new one also with its eviction settings and length limit); the evictions; the
+blocks to copy to the host tier, from it, and from cached blocks. A worker keeps a mirror of
 every running sequence and gives its runner the batch rank 0 runs: the two all-reduces of
 each layer keep the ranks in step.
 
@@ -195,8 +195,8 @@ class Workers:
 
     def check(self, wait_s: float = 0.0) -> None:
         """A RuntimeError if a worker has ended (it said why on its standard error), waiting up to
-        wait_s for one to end (after a collective failed, one is ending). Under torchrun the
-        processes are torchrun's: it ends the others when one fails."""
+        wait_s for one to end (after a collective failed, one is ending), or if the ranks were
+        ended. Under torchrun the processes are torchrun's: it ends the others when one fails."""
         if self.stopped:
             raise RuntimeError("tensor parallelism: the ranks were ended after a step failed (its error was raised "
                                "then); the engine cannot go on: close it (LLM.close) and start a new one")
