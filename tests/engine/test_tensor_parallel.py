@@ -52,12 +52,12 @@ def assert_same(outs, expected) -> None:
             assert torch.equal(out.kept_positions, want.kept_positions)
 
 
-def test_two_ranks_give_one_rank_s_tokens_and_kept_positions_for_every_method(tiny_dir, split):
+def test_two_ranks_give_one_rank_s_tokens_and_kept_positions(tiny_dir, split):
     """A pool small enough to preempt: the workers' mirrors follow recomputed sequences too.
     kvcompress holds a block more for each eviction step under tensor parallelism (evict.py),
     so it preempts more often; its tokens and kept positions are still one rank's."""
     one, two = engine(tiny_dir, num_kv_blocks=9), split(tiny_dir, 2, num_kv_blocks=9)
-    for method in ["full", *EVICTING]:
+    for method in ["full", "batchmax", "h2o", "snapkv", "ed"]:   # every schedule; every ranking: below
         assert_same(run(two, method), run(one, method))
     assert two.stats().preemptions == one.stats().preemptions > 0
     assert_same(run(two, "kvcompress"), run(one, "kvcompress"))
@@ -104,7 +104,7 @@ def test_every_family_splits(tiny_models, split, family, kv_cache_dtype):
 
 def test_the_bundled_model_on_three_ranks(bundled_dir, split):
     """SmolLM2-135M: 9 query heads and 3 KV heads, one KV head a rank."""
-    greedy = SamplingParams(temperature=0, max_tokens=12)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
     prompts = ["The capital of France is", "Write a haiku about the sea."]
     expected = engine(bundled_dir).generate(prompts, greedy)
     three = split(bundled_dir, 3)
