@@ -61,6 +61,7 @@ def bench_prefix(args, save) -> list[dict]:
         context = run_context(args, llm)
         rows += [dict(context, mode="prefix", workload=workload, caching=caching, **result)
                  for workload, result in run(llm, args).items()]
+        llm.close()   # a split engine's ranks end before the next one starts
     for row in rows[2:]:   # caching must change nothing in the outputs
         row["same_outputs"] = row["outputs"] == next(r["outputs"] for r in rows if r["workload"] == row["workload"])
     print(f"\nprefix caching: {context['model']}, {context['dtype']}, {context['device']}; shared prefix: "

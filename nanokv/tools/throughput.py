@@ -206,6 +206,7 @@ def bench_paper(args, save: Callable[[dict], None]) -> list[dict]:
           f"output {out}, KV pool {context['kv_pool_gb']:.3f} GB = {context['kv_blocks']} blocks "
           f"of {context['block_size']}, p = {args.evict_every}")
     print_table(rows, STATIC_COLUMNS)
+    llm.close()   # a split engine's ranks end before the next one starts
     del llm   # before the next engine takes its memory
     gc.collect()
     torch.cuda.empty_cache()
