@@ -188,7 +188,6 @@ class Workers:
         for process in self.processes:
             process.start()
         self.shard, self.control = connect(0, size, address, device, cfg.num_kv_heads)
-        self.replicas = max(1, size // cfg.num_kv_heads)   # ranks holding each KV head
         self.max_model_len = config.max_model_len
         self.stopped = False
         self.mirrored: dict[int, list] = {}   # seq_id -> [seq, tokens sent, offloaded blocks sent]: the mirrors
@@ -251,7 +250,7 @@ class Workers:
         own = _padded(own, self.max_model_len)
         parts = [torch.empty_like(own) for _ in range(self.shard.size)]
         dist.gather(own, parts, dst=0, group=self.control)
-        every = torch.cat(parts[::self.replicas], dim=1)
+        every = torch.cat(parts[::self.shard.num_replicas], dim=1)
         return every[..., :int((every >= 0).sum(-1).max())]
 
     def fail(self) -> None:
