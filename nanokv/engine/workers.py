@@ -3,13 +3,12 @@
 Rank 0 is the engine: scheduler, block manager, prefix cache, sampling and outputs. Ranks
 1..N-1 are workers: each owns its part of the weights, of the KV pool and of the host tier
 (the same block ids, its own KV heads) and runs every step as rank 0 describes it. The
-description says what changed since the last step, as one int64 tensor broadcast on a CPU
-process group (gloo): the sequences that left; each scheduled sequence's counts, the tail of
-its block table that changed, its tokens not yet sent and the host blocks it decodes from
-since (a new one also with its eviction settings and length limit); the evictions; the
-blocks to copy to the host tier, from it, and from cached blocks. A worker keeps a mirror of
-every running sequence and gives its runner the batch rank 0 runs: the two all-reduces of
-each layer keep the ranks in step.
+description says what changed since the last step, as one pickled message broadcast on a CPU
+process group (gloo): the sequences that left; each scheduled sequence's Update (its counts,
+the tail of its block table that changed, its tokens not yet sent and the host blocks it
+decodes from since); the evictions; the blocks to copy to the host tier, from it, and from
+cached blocks. A worker keeps a mirror of every running sequence and gives its runner the
+batch rank 0 runs: the two all-reduces of each layer keep the ranks in step.
 
 The engine starts the workers (spawned processes, one per rank) and connects them to
 itself by torch.distributed: gloo on CPUs, NCCL on GPUs (rank r on the r-th GPU after the
@@ -23,6 +22,7 @@ import os
 import socket
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,18 +38,30 @@ from nanokv.engine.block_table import BlockTables
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.scheduler import Eviction, ScheduledBatch
 from nanokv.engine.sequence import Sequence, Status
-from nanokv.eviction import EvictionSettings, method_for
-from nanokv.eviction.schedules import SCHEDULES
-from nanokv.eviction.settings import METHODS
+from nanokv.eviction import method_for
 from nanokv.sampling_params import SamplingParams
 
 STEP, KEPT, STOP = 0, 1, 2   # what a description asks: run a step, gather kept positions, end
 TIMEOUT = datetime.timedelta(minutes=5)   # a collective of a step that waits longer ends the engine with an error
 IDLE = datetime.timedelta(days=3650)   # how long a worker waits for the next step: an engine may idle for days
 #                                        (a rank 0 that dies closes its connections, which ends the wait at once)
-SETTINGS = ("kv_method", "kv_schedule", "kv_budget", "evict_every", "kv_sinks", "kv_recent", "kv_window",
-            "kv_pool", "kv_score_all")
-NAMES = {"kv_method": METHODS, "kv_schedule": tuple(SCHEDULES)}
+
+
+@dataclass
+class Update:
+    """What a worker's mirror of one sequence lacks since rank 0 last described it (all of it,
+    the first time), and the tokens it runs this step."""
+    seq_id: int
+    params: SamplingParams | None   # its request's, the first time (its method is made from them)
+    num_prompt_tokens: int
+    max_slots: int
+    num_computed_tokens: int
+    num_kv_slots: int
+    num_new_tokens: int
+    changed_from: int               # its block table from here on is table_tail
+    table_tail: list[int]
+    tokens: list[int]               # its tokens not sent before
+    offloaded: list[int]            # the host blocks it decodes from, not sent before
 
 
 def connect(rank: int, size: int, address: str, device: torch.device,
@@ -115,58 +127,16 @@ def load_part(config: EngineConfig, model: str, cfg: ModelConfig, dtype: torch.d
     return load_model(Path(model), cfg, dtype, device, config.max_model_len, shard)
 
 
-def _write_settings(ints: list[int], params: SamplingParams) -> None:
-    for name in SETTINGS:
-        value = getattr(params, name)
-        ints.append(-1 if value is None else NAMES[name].index(value) if name in NAMES else int(value))
-
-
-def _read_settings(ints: Reader) -> EvictionSettings:
-    values = {}
-    for name in SETTINGS:
-        value = ints.take()
-        values[name] = None if value < 0 else NAMES[name][value] if name in NAMES else value
-    values["kv_score_all"] = None if values["kv_score_all"] is None else bool(values["kv_score_all"])
-    return EvictionSettings(**values)
-
-
-class Reader:
-    """Ints read back in the order they were written."""
-
-    def __init__(self, values: list[int]):
-        self.values, self.at = values, 0
-
-    def take(self) -> int:
-        self.at += 1
-        return self.values[self.at - 1]
-
-    def take_list(self) -> list[int]:
-        n = self.take()
-        self.at += n
-        return self.values[self.at - n:self.at]
-
-
-def _put_list(ints: list[int], values: list[int]) -> None:
-    ints.append(len(values))
-    ints += values
-
-
-def _pairs(values: list[int]) -> list[tuple[int, int]]:
-    return list(zip(values[0::2], values[1::2]))
-
-
 def _padded(positions: torch.Tensor, length: int) -> torch.Tensor:
     """Kept positions [L, H, n] padded with -1 to [L, H, length]: the same shape on every rank."""
     return torch.nn.functional.pad(positions, (0, length - positions.shape[-1]), value=-1)
 
 
-def broadcast(ints: list[int] | None, group) -> list[int]:
-    """Rank 0's ints on every rank: the length, then the ints."""
-    length = torch.tensor([0 if ints is None else len(ints)])
-    dist.broadcast(length, 0, group=group)
-    values = torch.tensor(ints, dtype=torch.int64) if ints is not None else torch.empty(int(length), dtype=torch.int64)
-    dist.broadcast(values, 0, group=group)
-    return values.tolist()
+def broadcast(message, group):
+    """Rank 0's message (any picklable object; None on the other ranks) on every rank."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 class Workers:
@@ -209,44 +179,31 @@ class Workers:
     def send(self, batch: ScheduledBatch) -> None:
         """Describe the step rank 0 is about to run."""
         self.check()
-        ints = [STEP]
         gone = [seq_id for seq_id, (seq, *_) in self.mirrored.items() if seq.status != Status.RUNNING]
         for seq_id in gone:   # finished, or preempted (admitted again, it is sent whole again)
             del self.mirrored[seq_id]
-        _put_list(ints, gone)
-        ints.append(len(batch.seqs))
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            self._describe(ints, seq, n)
-        ints.append(len(batch.evictions))
-        for e in batch.evictions:
-            ints += [e.seq.seq_id, e.num_evicted, e.num_slots, e.num_blocks_kept]
-        for pairs in (batch.saves, batch.loads, batch.copies):
-            _put_list(ints, [block for pair in pairs for block in pair])
-        broadcast(ints, self.control)
+        updates = [self._describe(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        evictions = [(e.seq.seq_id, e.num_evicted, e.num_slots, e.num_blocks_kept) for e in batch.evictions]
+        broadcast((STEP, gone, updates, evictions, batch.saves, batch.loads, batch.copies), self.control)
 
-    def _describe(self, ints: list[int], seq: Sequence, n: int) -> None:
-        """What a worker's mirror of seq lacks (all of it, the first time), and its n new tokens."""
-        mirror = self.mirrored.get(seq.seq_id)
-        ints += [seq.seq_id, mirror is None]
-        if mirror is None:
-            ints += [seq.num_prompt_tokens, seq.max_slots]
-            _write_settings(ints, seq.params)
-            mirror = self.mirrored[seq.seq_id] = [seq, 0, 0]
+    def _describe(self, seq: Sequence, n: int) -> Update:
+        """What a worker's mirror of seq lacks, and its n new tokens."""
+        first = seq.seq_id not in self.mirrored
+        mirror = self.mirrored.setdefault(seq.seq_id, [seq, 0, 0])
         table = seq.block_table
-        ints += [seq.num_computed_tokens, seq.num_kv_slots, n, table.changed_from]
-        _put_list(ints, table.ids[table.changed_from:])
+        update = Update(seq.seq_id, seq.params if first else None, seq.num_prompt_tokens, seq.max_slots,
+                        seq.num_computed_tokens, seq.num_kv_slots, n, table.changed_from,
+                        table.ids[table.changed_from:], seq.tokens(mirror[1], seq.num_tokens - mirror[1]),
+                        seq.offloaded[mirror[2]:])
         table.changed_from = len(table.ids)
-        _put_list(ints, seq.tokens(mirror[1], seq.num_tokens - mirror[1]))
-        _put_list(ints, seq.offloaded[mirror[2]:])
         mirror[1:] = seq.num_tokens, len(seq.offloaded)
+        return update
 
     def kept_positions(self, seq: Sequence, own: torch.Tensor) -> torch.Tensor:
         """[L, H, n]: seq's kept positions, own (rank 0's KV heads) and the workers' (one replica
         of each KV head), -1 after a head's last (an uneven method's heads hold different numbers)."""
         self.check()
-        ints = [KEPT]
-        self._describe(ints, seq, 0)
-        broadcast(ints, self.control)
+        broadcast((KEPT, self._describe(seq, 0)), self.control)
         own = _padded(own, self.max_model_len)
         parts = [torch.empty_like(own) for _ in range(self.shard.size)]
         dist.gather(own, parts, dst=0, group=self.control)
@@ -270,7 +227,7 @@ class Workers:
         self.stopped = True
         try:
             if tell and all(p.exitcode is None for p in self.processes):
-                broadcast([STOP], self.control)
+                broadcast((STOP,), self.control)
         finally:
             for process in self.processes:
                 process.join(timeout=10 if tell else 0)
@@ -288,39 +245,31 @@ class Mirror:
         self.tables = BlockTables(config.max_num_seqs, -(-config.max_model_len // config.block_size))
         self.seqs: dict[int, Sequence] = {}
 
-    def batch(self, ints: Reader) -> ScheduledBatch:
-        for seq_id in ints.take_list():
+    def batch(self, gone: list[int], updates: list[Update], evictions: list[tuple], saves: list, loads: list,
+              copies: list) -> ScheduledBatch:
+        """The batch of the step rank 0 described (Workers.send)."""
+        for seq_id in gone:
             self.tables.release(self.seqs.pop(seq_id).block_table)
-        batch = ScheduledBatch()
-        for _ in range(ints.take()):
-            seq, n = self.update(ints)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(n)
-        for _ in range(ints.take()):
-            seq_id, num_evicted, num_slots, num_blocks_kept = (ints.take() for _ in range(4))
-            batch.evictions.append(Eviction(self.seqs[seq_id], num_evicted, num_slots, num_blocks_kept))
-        batch.saves, batch.loads, batch.copies = (_pairs(ints.take_list()) for _ in range(3))
-        return batch
+        seqs = [self.update(update) for update in updates]
+        evictions = [Eviction(self.seqs[seq_id], *counts) for seq_id, *counts in evictions]
+        return ScheduledBatch(seqs, [u.num_new_tokens for u in updates], evictions, saves, loads, copies)
 
-    def update(self, ints: Reader) -> tuple[Sequence, int]:
-        """Bring a sequence's mirror up to date (Workers._describe); returns it and its new tokens."""
-        seq_id, new = ints.take(), ints.take()
-        if new:
-            num_prompt, max_slots = ints.take(), ints.take()
-            method = method_for(_read_settings(ints), self.config, self.config.block_size)
-            self.seqs[seq_id] = Sequence(seq_id, [], SamplingParams(), method=method, max_slots=max_slots,
-                                         block_table=self.tables.new([]))
-            self.seqs[seq_id].num_prompt_tokens = num_prompt
-        seq = self.seqs[seq_id]
-        seq.num_computed_tokens, seq.num_kv_slots, n, changed_from = (ints.take() for _ in range(4))
-        seq.block_table.cut(changed_from)
-        seq.block_table.extend(ints.take_list())
-        tokens = ints.take_list()
-        prompt_part = max(0, min(len(tokens), seq.num_prompt_tokens - len(seq.prompt_token_ids)))
-        seq.prompt_token_ids += tokens[:prompt_part]
-        seq.output_token_ids += tokens[prompt_part:]
-        seq.offloaded += ints.take_list()
-        return seq, n
+    def update(self, update: Update) -> Sequence:
+        """Bring a sequence's mirror up to date (Workers._describe)."""
+        if update.params is not None:
+            method = method_for(update.params, self.config, self.config.block_size)
+            self.seqs[update.seq_id] = Sequence(update.seq_id, [], update.params, method=method,
+                                                max_slots=update.max_slots, block_table=self.tables.new([]))
+        seq = self.seqs[update.seq_id]
+        seq.num_prompt_tokens = update.num_prompt_tokens
+        seq.num_computed_tokens, seq.num_kv_slots = update.num_computed_tokens, update.num_kv_slots
+        seq.block_table.cut(update.changed_from)
+        seq.block_table.extend(update.table_tail)
+        prompt_part = max(0, min(len(update.tokens), seq.num_prompt_tokens - len(seq.prompt_token_ids)))
+        seq.prompt_token_ids += update.tokens[:prompt_part]
+        seq.output_token_ids += update.tokens[prompt_part:]
+        seq.offloaded += update.offloaded
+        return seq
 
 
 def worker_device(engine: torch.device, rank: int) -> torch.device:
@@ -345,15 +294,14 @@ def run_worker(rank: int, address: str, config: EngineConfig, model: str, cfg: M
         runner = ModelRunner(config, load_part(config, model, cfg, dtype, device, shard), dtype, device, kv_dtype)
         mirror = Mirror(runner, config)
         while True:
-            ints = Reader(broadcast(None, control))
-            kind = ints.take()
+            kind, *message = broadcast(None, control)
             if kind == STOP:
                 break
             if kind == KEPT:
-                positions = runner.kept_positions(mirror.update(ints)[0])
+                positions = runner.kept_positions(mirror.update(*message))
                 dist.gather(_padded(positions, config.max_model_len), dst=0, group=control)
             else:
-                runner.run(mirror.batch(ints))
+                runner.run(mirror.batch(*message))
         dist.destroy_process_group()
     except BaseException:
         print(f"nanokv: tensor-parallel rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
