@@ -22,14 +22,12 @@ import os
 import socket
 import sys
 import traceback
-from dataclasses import dataclass
-from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from models import shapes
 from models.config import ModelConfig
 from models.loader import load_model
 from models.tensor_parallel import Shard, check_split
@@ -47,10 +45,10 @@ IDLE = datetime.timedelta(days=3650)   # how long a worker waits for the next st
 #                                        (a rank 0 that dies closes its connections, which ends the wait at once)
 
 
-@dataclass
-class Update:
+class Update(NamedTuple):
     """What a worker's mirror of one sequence lacks since rank 0 last described it (all of it,
-    the first time), and the tokens it runs this step."""
+    the first time), and the tokens it runs this step. Sent as a plain tuple: pickled several
+    times faster than a named one, which counts at a large batch's every step."""
     seq_id: int
     params: SamplingParams | None   # its request's, the first time (its method is made from them)
     num_prompt_tokens: int
@@ -118,15 +116,6 @@ def cpu_threads(config: EngineConfig) -> int:
     return config.num_threads or max(1, cores // config.tensor_parallel_size)
 
 
-def load_part(config: EngineConfig, model: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-              shard: Shard):
-    """shard's part of the model: model is a checkpoint directory or "random:<shape>"."""
-    if model.startswith(shapes.RANDOM_PREFIX):
-        return shapes.random_model(model.removeprefix(shapes.RANDOM_PREFIX), dtype, device, config.max_model_len,
-                                   shard)
-    return load_model(Path(model), cfg, dtype, device, config.max_model_len, shard)
-
-
 def _padded(positions: torch.Tensor, length: int) -> torch.Tensor:
     """Kept positions [L, H, n] padded with -1 to [L, H, length]: the same shape on every rank."""
     return torch.nn.functional.pad(positions, (0, length - positions.shape[-1]), value=-1)
@@ -182,7 +171,7 @@ class Workers:
         gone = [seq_id for seq_id, (seq, *_) in self.mirrored.items() if seq.status != Status.RUNNING]
         for seq_id in gone:   # finished, or preempted (admitted again, it is sent whole again)
             del self.mirrored[seq_id]
-        updates = [self._describe(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        updates = [tuple(self._describe(seq, n)) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         evictions = [(e.seq.seq_id, e.num_evicted, e.num_slots, e.num_blocks_kept) for e in batch.evictions]
         broadcast((STEP, gone, updates, evictions, batch.saves, batch.loads, batch.copies), self.control)
 
@@ -203,7 +192,7 @@ class Workers:
         """[L, H, n]: seq's kept positions, own (rank 0's KV heads) and the workers' (one replica
         of each KV head), -1 after a head's last (an uneven method's heads hold different numbers)."""
         self.check()
-        broadcast((KEPT, self._describe(seq, 0)), self.control)
+        broadcast((KEPT, tuple(self._describe(seq, 0))), self.control)
         own = _padded(own, self.max_model_len)
         parts = [torch.empty_like(own) for _ in range(self.shard.size)]
         dist.gather(own, parts, dst=0, group=self.control)
@@ -245,11 +234,12 @@ class Mirror:
         self.tables = BlockTables(config.max_num_seqs, -(-config.max_model_len // config.block_size))
         self.seqs: dict[int, Sequence] = {}
 
-    def batch(self, gone: list[int], updates: list[Update], evictions: list[tuple], saves: list, loads: list,
+    def batch(self, gone: list[int], updates: list[tuple], evictions: list[tuple], saves: list, loads: list,
               copies: list) -> ScheduledBatch:
         """The batch of the step rank 0 described (Workers.send)."""
         for seq_id in gone:
             self.tables.release(self.seqs.pop(seq_id).block_table)
+        updates = [Update(*fields) for fields in updates]
         seqs = [self.update(update) for update in updates]
         evictions = [Eviction(self.seqs[seq_id], *counts) for seq_id, *counts in evictions]
         return ScheduledBatch(seqs, [u.num_new_tokens for u in updates], evictions, saves, loads, copies)
@@ -291,14 +281,15 @@ def run_worker(rank: int, address: str, config: EngineConfig, model: str, cfg: M
             torch.cuda.set_device(device)
         torch.set_num_threads(cpu_threads(config))
         shard, control = connect(rank, config.tensor_parallel_size, address, device, cfg.num_kv_heads)
-        runner = ModelRunner(config, load_part(config, model, cfg, dtype, device, shard), dtype, device, kv_dtype)
+        runner = ModelRunner(config, load_model(model, cfg, dtype, device, config.max_model_len, shard), dtype,
+                             device, kv_dtype)
         mirror = Mirror(runner, config)
         while True:
             kind, *message = broadcast(None, control)
             if kind == STOP:
                 break
             if kind == KEPT:
-                positions = runner.kept_positions(mirror.update(*message))
+                positions = runner.kept_positions(mirror.update(Update(*message[0])))
                 dist.gather(_padded(positions, config.max_model_len), dst=0, group=control)
             else:
                 runner.run(mirror.batch(*message))
