@@ -32,36 +32,21 @@ def _gather_kv(k_cache, v_cache, kv_scales, page_tables, max_len: int):
             dequantize(_gather_context(v_cache, page_tables, max_len), scales[..., 1]))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float):
-    """q [B, Q, Hkv, G, D], k/v [B, Hkv, L, D], visible [B, Hkv, Q, L] -> out [B, Q, Hkv, G, D]
-    and the log-sum-exp of each query's scores [B, Q, Hkv, G], both in fp32."""
-    scores = torch.einsum("bqhgd,bhld->bhgql", q.float(), k.float()) * scale
-    scores.masked_fill_(~visible[:, :, None], float("-inf"))
-    out = torch.einsum("bhgql,bhld->bqhgd", scores.softmax(dim=-1), v.float())
-    return out, scores.logsumexp(dim=-1).permute(0, 3, 1, 2)
-
-
-def _decode(q, k_cache, v_cache, kv_scales, page_tables, context_lens, scale):
-    """One query per sequence: all sequences at once, padded to the longest context of any head."""
-    B, Hq, D = q.shape
+def _attend(q, k_cache, v_cache, kv_scales, page_tables, context_lens, scale):
+    """Queries q [B, n, Hq, D], each sequence's n of them the last n slots of each of its KV
+    heads' contexts (page_tables [B, Hkv, nb], context_lens [B, Hkv]), causal by slot ->
+    out [B * n, Hq, D] and the log-sum-exp of each query's scores [B * n, Hq] (fp32)."""
+    B, n, Hq, D = q.shape
     Hkv = page_tables.shape[1]
     max_len = int(context_lens.max())
-    k, v = _gather_kv(k_cache, v_cache, kv_scales, page_tables, max_len)
-    visible = torch.arange(max_len, device=q.device) < context_lens[..., None, None]   # [B, Hkv, 1, L]
-    out, lse = _attend(q.view(B, 1, Hkv, Hq // Hkv, D), k, v, visible, scale)
-    return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
-
-
-def _prefill(q, k_cache, v_cache, kv_scales, page_table, context_lens, scale):
-    """One sequence's chunk of n queries, causal over each head's context (context_lens [Hkv])."""
-    n, Hq, D = q.shape
-    Hkv = page_table.shape[0]
-    max_len = int(context_lens.max())
-    k, v = _gather_kv(k_cache, v_cache, kv_scales, page_table[None], max_len)
-    query_slot = context_lens[:, None] - n + torch.arange(n, device=q.device)       # [Hkv, n]
-    visible = torch.arange(max_len, device=q.device) <= query_slot[..., None]       # [Hkv, n, L]
-    out, lse = _attend(q.view(1, n, Hkv, Hq // Hkv, D), k, v, visible[None], scale)
-    return out.reshape(n, Hq, D).to(q.dtype), lse.reshape(n, Hq)
+    k, v = _gather_kv(k_cache, v_cache, kv_scales, page_tables, max_len)           # [B, Hkv, L, D]
+    query_slot = context_lens[..., None] - n + torch.arange(n, device=q.device)    # [B, Hkv, n]
+    visible = torch.arange(max_len, device=q.device) <= query_slot[..., None]      # [B, Hkv, n, L]
+    scores = torch.einsum("bqhgd,bhld->bhgql", q.view(B, n, Hkv, Hq // Hkv, D).float(), k.float()) * scale
+    scores.masked_fill_(~visible[:, :, None], float("-inf"))
+    out = torch.einsum("bhgql,bhld->bqhgd", scores.softmax(dim=-1), v.float())
+    lse = scores.logsumexp(dim=-1).permute(0, 3, 1, 2)                             # [B, n, Hkv, G]
+    return out.reshape(B * n, Hq, D).to(q.dtype), lse.reshape(B * n, Hq)
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -78,18 +63,15 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     decode in the step pad to its length.
     """
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-    if q.shape[0] == q_lens.shape[0]:   # a pure decode step
-        out, lse = _decode(q, k_cache, v_cache, kv_scales, page_tables, context_lens, scale)
-        return (out, lse) if return_lse else out
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     decodes = (q_lens == 1).nonzero().flatten()
     if len(decodes):
         rows = cu_seqlens_q[decodes].long()
-        out[rows], lse[rows] = _decode(q[rows], k_cache, v_cache, kv_scales, page_tables[decodes],
+        out[rows], lse[rows] = _attend(q[rows, None], k_cache, v_cache, kv_scales, page_tables[decodes],
                                        context_lens[decodes], scale)
     for b in (q_lens > 1).nonzero().flatten().tolist():
         start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        out[start:end], lse[start:end] = _prefill(q[start:end], k_cache, v_cache, kv_scales, page_tables[b],
-                                                  context_lens[b], scale)
+        out[start:end], lse[start:end] = _attend(q[None, start:end], k_cache, v_cache, kv_scales,
+                                                 page_tables[b:b + 1], context_lens[b:b + 1], scale)
     return (out, lse) if return_lse else out
