@@ -15,26 +15,23 @@ class KVMethod:
 
     def __init__(self, schedule: Schedule | None = None, ranking: Ranking | None = None,
                  sinks: int = 0, recent: int = 0, name: str = "full"):
-        self.schedule, self.ranking = schedule or Schedule(), ranking
-        self.sinks, self.recent, self.name = sinks, recent, name
-        self.needs_scores = ranking is not None and ranking.needs_scores
-        self.squares_scores = ranking is not None and ranking.squares_scores
-        self.score_skip = 0 if ranking is None else ranking.skip
-        self.uneven = ranking is not None and ranking.uneven
-        # It never evicts, so it never writes into its blocks after filling them: it may share
-        # them with other sequences through the prefix cache (others take a private copy).
+        # The full cache never evicts, so it never writes into its blocks after filling them: it
+        # may share them with other sequences through the prefix cache (others take a private copy).
         self.shares_blocks = ranking is None
+        self.schedule, self.ranking = schedule or Schedule(), ranking or Ranking()
+        self.sinks, self.recent, self.name = sinks, recent, name
+        self.needs_scores, self.squares_scores = self.ranking.needs_scores, self.ranking.squares_scores
+        self.score_skip, self.uneven = self.ranking.skip, self.ranking.uneven
 
     @property
     def rule(self) -> tuple:
         """What decides which pairs go: sequences with the same rule are ranked together."""
-        return (self.name, self.sinks, self.recent, getattr(self.ranking, "window", None),
-                getattr(self.ranking, "pool", None))
+        return (self.name, self.sinks, self.recent, self.ranking.window, getattr(self.ranking, "pool", None))
 
     @property
     def windowed(self) -> bool:
         """Its scores count a window of queries and restart after each eviction."""
-        return self.ranking is not None and self.ranking.window is not None
+        return self.ranking.window is not None
 
     def score_from(self, seq: Progress) -> int:
         """The first query of seq's next chunk (an index into it) whose attention counts:
@@ -68,8 +65,6 @@ class KVMethod:
 
     def keep_priority(self, held: HeldPairs) -> torch.Tensor:
         """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf."""
-        if self.ranking is None:
-            raise NotImplementedError(f"{self.name} never evicts")
         priority = self.ranking.keep_priority(held)   # not cast: float64 key norms keep their precision
         n = held.positions.shape[-1]
         lens = n if held.lens is None else held.lens[..., None]

@@ -2,6 +2,13 @@
 gives up whole pages, chosen across all its heads and layers, so the pairs each
 (layer, KV head) keeps follow its scores instead of one budget for all.
 
+Evicting e pages from a head costs the largest priority among its e * bs lowest slots (the
+empty slots of its partly filled last page counting as the lowest; +inf never goes):
+page_costs. The num_pages cheapest page evictions over all heads are taken, a head's e-th
+before its e+1-th as their costs never decrease, every head keeping at least floor_pages
+pages: choose_pages. Each head then keeps its other slots: kept_slots. The first and last
+run on the layers a piece at a time, choose_pages on them all.
+
 Pure tensor functions of sequences' pages: one sequence's, or (but repage) several
 evicted together along leading dimensions; the eviction surgery (nanokv/engine/evict.py)
 reads the pairs from the cache and moves them.
@@ -9,26 +16,6 @@ reads the pairs from the cache and moves them.
 from __future__ import annotations
 
 import torch
-
-
-def plan_page_eviction(priority: torch.Tensor, lens: torch.Tensor, num_pages: int, block_size: int,
-                       floor_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Which pairs stay when num_pages pages go, over all heads at once.
-
-    priority [L, H, n] per slot (the lowest go first; +inf never), of heads holding their
-    first lens [L, H] slots, n a multiple of block_size and at least every head's pages.
-    Evicting e pages from a head costs the largest priority among its e * bs lowest slots,
-    the empty slots of its partly filled last page counting as the lowest. The num_pages
-    cheapest page evictions over all heads are taken (a head's e-th before its e+1-th, as
-    their costs never decrease); every head keeps at least floor_pages pages.
-
-    Returns keep [L, H, n] (each head's surviving slots first, ascending, then the others),
-    the new lens [L, H] and the pages each head gave up [L, H]. The three steps below can run
-    on the layers a piece at a time (page_costs and kept_slots), choose_pages on them all.
-    """
-    evicted = choose_pages(page_costs(priority, lens, block_size, floor_pages), num_pages)
-    keep, kept_lens = kept_slots(priority, lens, evicted, block_size)
-    return keep, kept_lens, evicted
 
 
 def _ordered(priority: torch.Tensor, lens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,9 @@ class Ranking:
         return 0
 
     def keep_priority(self, held: HeldPairs) -> torch.Tensor:
-        raise NotImplementedError
+        """[..., L, H, n]: each pair's worth, the lowest evicted first; unless a ranking says
+        otherwise, the scores attention accumulated for it (as it asked: needs_scores, window...)."""
+        return held.scores
 
 
 class AverageAttention(Ranking):
@@ -62,9 +64,6 @@ class AccumulatedAttention(Ranking):
 
     def default_recent(self, budget):
         return budget // 2
-
-    def keep_priority(self, held):
-        return held.scores
 
 
 class Recency(Ranking):
@@ -91,9 +90,6 @@ class LastQuery(Ranking):
     needs_scores = True
     window = 1
     default_schedule = "decode"
-
-    def keep_priority(self, held):
-        return held.scores
 
 
 class ObservationWindow(Ranking):
@@ -128,9 +124,6 @@ class SquaredAttention(Ranking):
 
     def __init__(self, window: int = 8, score_all: bool = False):
         self.window, self.skip = (None, window) if score_all else (window, 0)
-
-    def keep_priority(self, held):
-        return held.scores
 
 
 RANKINGS = {r.name: r for r in (AverageAttention, AccumulatedAttention, LastQuery, ObservationWindow,

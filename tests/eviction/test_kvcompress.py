@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from nanokv.eviction.pages import plan_page_eviction, repage
+from nanokv.eviction.pages import choose_pages, kept_slots, page_costs, repage
 from oracle import BLOCK, differences, distinct_prompt as prompt, engine
 
 # ----- the block-eviction schedule on its own ---------------------------------------------
@@ -57,7 +57,8 @@ def test_page_eviction_takes_the_cheapest_pages_across_heads(seed):
     floor = 1 + seed % 2
     room = int((-(-lens // bs) - floor).clamp(min=0).sum())
     num_pages = int(torch.randint(1, room + 1, (), generator=g))
-    keep, new_lens, evicted = plan_page_eviction(priority, lens, num_pages, bs, floor)
+    evicted = choose_pages(page_costs(priority, lens, bs, floor), num_pages)
+    keep, new_lens = kept_slots(priority, lens, evicted, bs)
     expected_evicted, expected_kept = greedy_page_eviction(priority, lens, num_pages, bs, floor)
     assert torch.equal(evicted, expected_evicted)
     for (l, h), slots in expected_kept.items():
