@@ -10,19 +10,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import json
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import count
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 import kernels
 from models import HostKVCache, ModelConfig, shapes
-from models.loader import resolve_model_path
+from models.loader import load_model, resolve_model_path
 from models.tensor_parallel import Shard
 from nanokv.checks import check_token_ids
 from nanokv.config import KV_CACHE_DTYPES, EngineConfig, resolve_dtype
@@ -34,7 +32,7 @@ from nanokv.engine.sampler import FAILED
 from nanokv.engine.scheduler import Scheduler
 from nanokv.engine.sequence import Sequence
 from nanokv.engine.timing import StepClock, Timings
-from nanokv.engine.workers import cpu_threads, load_part, start_workers
+from nanokv.engine.workers import cpu_threads, start_workers
 from nanokv.eviction import EvictionSettings, KVMethod, method_for
 from nanokv.outputs import EngineStats, RequestOutput
 from nanokv.sampling_params import SamplingParams
@@ -50,10 +48,6 @@ class _Request:
     detokenizer: IncrementalDetokenizer | None   # None without a tokenizer: token ids only
     text: str = ""      # output text, cut at a stop string
     streamed: int = 0   # characters of `text` already handed out
-
-
-def _copy(items: list | None) -> list | None:
-    return None if items is None else list(items)
 
 
 def engine_device(name: str | torch.device | None) -> torch.device:
@@ -91,17 +85,18 @@ class LLM:
         self.workers = start_workers(cfg, str(path or model), self.model_config, self.dtype, kv_dtype, device)
         if self.workers is not None:
             self._stop_workers = weakref.finalize(self, self.workers.stop)
-        try:
-            self._build_runner(str(path or model), self.workers.shard if self.workers else Shard())
+        try:   # this rank's part of the model, and its runner (the pool, the host tier)
+            decoder = load_model(path or model, self.model_config, self.dtype, device, cfg.max_model_len,
+                                 self.workers.shard if self.workers else Shard())
+            self.runner = ModelRunner(cfg, decoder, self.dtype, device, kv_dtype)
         except BaseException:
             if self.workers is not None:   # a worker that failed says so; none is left behind
                 self._stop_workers.detach()
                 self.workers.fail()
                 self.workers = None
             raise
-        cache = None
-        if self.config.enable_prefix_caching:   # a block's contents depend on the model and the cache's dtype
-            cache = PrefixCache(self.config.block_size, (str(path or model), str(kv_dtype)))
+        # A cached block's contents depend on the model and the cache's dtype.
+        cache = PrefixCache(cfg.block_size, (str(path or model), str(kv_dtype))) if cfg.enable_prefix_caching else None
         self.blocks = BlockManager(self.runner.num_pool_blocks, self.config.block_size, cache,
                                    self.runner.host_cache.num_blocks)
         swap_cost = None
@@ -109,16 +104,14 @@ class LLM:
             link, flops = self.runner.link_and_device   # a split model's ranks move and compute a part each
             swap_cost = SwapCost.of(self.model_config, HostKVCache.bytes_per_block(self.runner.kv_cache), link,
                                     flops * cfg.tensor_parallel_size)
-        self.scheduler = Scheduler(self.config, self.blocks, self._eos_token_ids(path), swap_cost,
+        eos_token_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.scheduler = Scheduler(self.config, self.blocks, eos_token_ids, swap_cost,
                                    self.runner.staging_pages.shape[1])
         self.requests: dict[int, _Request] = {}
         self._ids = count()
         self._timings: Timings | None = None   # inside timing()
-
-    def _build_runner(self, model: str, shard: Shard) -> None:
-        """This rank's part of the model and its runner (the pool, the host tier)."""
-        decoder = load_part(self.config, model, self.model_config, self.dtype, self.device, shard)
-        self.runner = ModelRunner(self.config, decoder, self.dtype, self.device, self.kv_dtype)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -128,18 +121,6 @@ class LLM:
         if not 1 < wanted <= limit:
             raise ValueError(f"max_model_len={wanted} is outside the model's context (2..{limit})")
         return wanted
-
-    def _eos_token_ids(self, path: Path | None) -> set[int]:
-        ids = set(self.model_config.eos_token_ids)
-        if path is None:
-            return ids
-        gen_config = path / "generation_config.json"
-        if gen_config.is_file():
-            eos = json.loads(gen_config.read_text()).get("eos_token_id")
-            ids |= set([eos] if isinstance(eos, int) else eos or [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     # ----- requests -----------------------------------------------------------------------
 
@@ -189,9 +170,7 @@ class LLM:
         params = params or SamplingParams()
         method = self._method(params)
         request_id = next(self._ids)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(self.runner.device).manual_seed(params.seed)
+        generator = None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
         seq = Sequence(request_id, ids, params, method=method, generator=generator,
                        max_slots=min(len(ids) + params.max_tokens, self.config.max_model_len) - 1,
                        prompt_logprobs=[None] * len(ids) if params.prompt_logprobs else None,
@@ -257,7 +236,10 @@ class LLM:
             if self.workers is not None:   # the ranks are out of step: a worker that ended says so; all end
                 self.workers.fail()
             raise
-        failed = self._take_sampling_failures(sampled)
+        errors = iter(self.runner.sampler.errors.values())   # the rows that could not be sampled, in order
+        failed = {seq_id: next(errors) for seq_id, token in sampled.items() if token == FAILED}
+        for seq_id in failed:
+            del sampled[seq_id]
         done = {seq.seq_id: reason for seq, reason in self.scheduler.update(batch, sampled)}
         clock.lap("update")
         outputs = [self._fail(self.requests[seq_id], error) for seq_id, error in failed.items()]
@@ -275,19 +257,6 @@ class LLM:
         clock.end(decode=max(batch.num_new_tokens) == 1)
         return outputs
 
-    def _take_sampling_failures(self, sampled: dict[int, int]) -> dict[int, Exception]:
-        """Take the sequences the sampler could not sample (token FAILED) out of sampled;
-        returns seq_id -> error. The sampler keeps the errors in row order, as sampled is."""
-        sampler = self.runner.sampler
-        if not sampler.errors:
-            return {}
-        failed_ids = [seq_id for seq_id, token in sampled.items() if token == FAILED]
-        failed = dict(zip(failed_ids, sampler.errors.values()))
-        for seq_id in failed_ids:
-            del sampled[seq_id]
-        sampler.errors = {}
-        return failed
-
     def _fail(self, request: _Request, error: Exception, token: int | None = None) -> RequestOutput:
         """End a request whose own processing raised (after it was accepted): it finishes
         with finish_reason "error" and its blocks go back to the pool."""
@@ -295,12 +264,8 @@ class LLM:
         self.scheduler.finish(seq, "error")   # a no-op if it had finished before the error
         seq.finish_reason = "error"
         self.requests.pop(seq.seq_id, None)
-        return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids,
-                             request.text[:request.streamed], list(seq.output_token_ids), "",
-                             [] if token is None else [token], True, "error",
-                             prompt_logprobs=seq.prompt_logprobs, logprobs=_copy(seq.logprobs),
-                             kept_positions=seq.kept_positions, error=f"{type(error).__name__}: {error}",
-                             num_cached_tokens=seq.num_cached_tokens)
+        return self._output(request, request.streamed, "", [] if token is None else [token],
+                            f"{type(error).__name__}: {error}")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.params.return_kept_positions:   # read before the blocks go back to the pool
@@ -334,11 +299,18 @@ class LLM:
             del self.requests[seq.seq_id]
         elif not every_token:
             return None
-        return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids,
-                             request.text[:upto], list(seq.output_token_ids), new_text, [token],
-                             seq.is_finished, seq.finish_reason,
-                             prompt_logprobs=seq.prompt_logprobs, logprobs=_copy(seq.logprobs),
-                             kept_positions=seq.kept_positions, num_cached_tokens=seq.num_cached_tokens)
+        return self._output(request, upto, new_text, [token])
+
+    @staticmethod
+    def _output(request: _Request, upto: int, new_text: str, new_token_ids: list[int],
+                error: str | None = None) -> RequestOutput:
+        """The request's output: its text up to upto, what the step added, and what it asked for."""
+        seq = request.seq
+        return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids, request.text[:upto],
+                             list(seq.output_token_ids), new_text, new_token_ids, seq.is_finished, seq.finish_reason,
+                             prompt_logprobs=seq.prompt_logprobs,
+                             logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                             kept_positions=seq.kept_positions, error=error, num_cached_tokens=seq.num_cached_tokens)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -52,12 +52,6 @@ class BlockTable:
     def __iter__(self):
         return iter(self.ids)
 
-    def __getitem__(self, index):
-        return self.ids[index]
-
-    def __repr__(self) -> str:
-        return f"BlockTable({self.ids})"
-
     def extend(self, blocks: list[int]) -> None:
         start = len(self.ids)
         if start + len(blocks) > self.tables.ids.shape[1]:

@@ -317,16 +317,13 @@ class ModelRunner:
                 return {}
             logits = self.model.compute_logits(hidden[step.sample_rows]) if step.sample_rows else None
             clock.lap("forward")
-            if step.logprob_rows:
-                self._record_prompt_logprobs(hidden, step)
-            sampled = {}
+            self._record_prompt_logprobs(hidden, step)
+            seqs, tokens = step.sampled_seqs, []
             if logits is not None:
-                seqs = step.sampled_seqs
                 tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
                 self._record_logprobs(logits, tokens, seqs)
-                sampled = dict(zip((s.seq_id for s in seqs), tokens))
             clock.lap("sample")
-            return sampled
+            return dict(zip((s.seq_id for s in seqs), tokens))
 
     def _swap(self, batch: ScheduledBatch) -> None:
         """Blocks to the host tier (preempted sequences', spilled cached ones), then back from it

@@ -31,11 +31,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> torch.Tensor:
         self.errors = {}
-        states = {}   # row -> its seeded stream before this call
+        states = {row: gen.get_state() for row, gen in enumerate(generators) if gen is not None}   # before this call
         try:
-            for row, gen in enumerate(generators):
-                if gen is not None:
-                    states[row] = gen.get_state()
             return self._sample(logits, params, generators)
         except Exception:
             return self._sample_rows_alone(logits, params, generators, states)

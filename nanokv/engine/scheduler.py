@@ -193,7 +193,7 @@ class Scheduler:
         batch.num_new_tokens.append(n)
         full = (seq.num_computed_tokens + n) // self.blocks.block_size
         if self.blocks.cache is not None and seq.method.shares_blocks and full > len(seq.prefix_serials):
-            self.blocks.cache.add(seq.prefix_serials, seq.block_table, seq.token_ids, seq.num_computed_tokens + n)
+            self.blocks.cache.add(seq.prefix_serials, seq.block_table.ids, seq.token_ids, seq.num_computed_tokens + n)
         return n
 
     def _make_room(self, seq: Sequence, num_slots: int, batch: ScheduledBatch) -> bool:
