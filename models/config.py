@@ -1,5 +1,5 @@
 """The shape of a model, parsed from its Hugging Face config.json: all the model code
-needs, and the one place that reads config.json."""
+needs, and the one place that reads config.json (and generation_config.json's EOS ids)."""
 from __future__ import annotations
 
 import json
@@ -19,7 +19,6 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 @dataclass
 class ModelConfig:
     """The shape of a decoder-only transformer, as the model code needs it."""
-    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,8 +34,7 @@ class ModelConfig:
     qk_norm: bool = False
     rope_scaling: dict | None = None
     sliding_window: int | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: list[int] = field(default_factory=list)   # config.json's (from_dir: generation_config.json's too)
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -57,10 +55,8 @@ class ModelConfig:
             scaling = dict(scaling, rope_type=rope_type)
             if rope_type == "default":
                 scaling = None
-        eos = hf.get("eos_token_id")
         num_heads = hf["num_attention_heads"]
         return cls(
-            architecture=arch,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -74,8 +70,7 @@ class ModelConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             rope_scaling=scaling,
             sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            eos_token_ids=_token_ids(hf.get("eos_token_id")),
             **SUPPORTED_ARCHITECTURES[arch],
         )
 
@@ -84,4 +79,13 @@ class ModelConfig:
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"{path} has no config.json: is it a Hugging Face model directory?")
-        return cls.from_hf(json.loads(config_file.read_text()))
+        config = cls.from_hf(json.loads(config_file.read_text()))
+        generation = Path(path) / "generation_config.json"
+        if generation.is_file():
+            config.eos_token_ids += _token_ids(json.loads(generation.read_text()).get("eos_token_id"))
+        return config
+
+
+def _token_ids(value: int | list[int] | None) -> list[int]:
+    """An HF token id setting (an id, a list of them, or None) as a list."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)

@@ -124,19 +124,20 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
     """
     reader = gguf.GGUFReader(gguf_path)
     out_dir = Path(out_dir)
-    hp = _hyperparameters(reader, gguf_path)
-    state_dict = _state_dict(reader, hp)
-    hp["tie_word_embeddings"] = "lm_head.weight" not in state_dict
+    config = _hf_config(reader, gguf_path)
+    state_dict = _state_dict(reader, config)
+    config["tie_word_embeddings"] = "lm_head.weight" not in state_dict
     embedding_rows = state_dict["model.embed_tokens.weight"].shape[0]
-    if embedding_rows != hp["vocab_size"]:
+    if embedding_rows != config["vocab_size"]:
         raise ValueError(f"{gguf_path}: the embedding has {embedding_rows} rows "
-                         f"but the tokenizer has {hp['vocab_size']} tokens")
+                         f"but the tokenizer has {config['vocab_size']} tokens")
     safetensors.torch.save_file(state_dict, out_dir / "model.safetensors", metadata={"format": "pt"})
     tokens = _field(reader, "tokenizer.ggml.tokens", gguf_path)
     _build_tokenizer(reader, tokens, gguf_path).save(str(out_dir / "tokenizer.json"))
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(tokens, hp))
-    _write_json(out_dir / "config.json", _config(hp))
-    _write_json(out_dir / "generation_config.json", _token_ids(hp))
+    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(reader, tokens, config))
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json", {key: value for key, value in config.items()
+                                                     if key in ("bos_token_id", "eos_token_id", "pad_token_id")})
 
 
 # --- reading the GGUF file ---------------------------------------------------
@@ -153,7 +154,8 @@ def _float32_value(x: float) -> float:
     return float(str(np.float32(x)))
 
 
-def _hyperparameters(reader, gguf_path) -> dict:
+def _hf_config(reader, gguf_path) -> dict:
+    """The HF config.json of the model (but tie_word_embeddings, which the tensors tell)."""
     arch = _field(reader, "general.architecture", gguf_path)
     if arch != "llama":
         raise ValueError(f"{gguf_path}: architecture {arch!r} is not supported; only 'llama' is")
@@ -161,29 +163,35 @@ def _hyperparameters(reader, gguf_path) -> dict:
     def get(key):
         return _field(reader, f"llama.{key}", gguf_path)
 
-    hp = {
-        "num_layers": get("block_count"),
-        "hidden_size": get("embedding_length"),
-        "num_heads": get("attention.head_count"),
-        "num_kv_heads": get("attention.head_count_kv"),
-        "intermediate_size": get("feed_forward_length"),
-        "rope_theta": _float32_value(get("rope.freq_base")),
-        "rms_norm_eps": _float32_value(get("attention.layer_norm_rms_epsilon")),
-        "context_length": get("context_length"),
+    hidden_size, num_heads = get("embedding_length"), get("attention.head_count")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
         "vocab_size": len(_field(reader, "tokenizer.ggml.tokens", gguf_path)),
+        "hidden_size": hidden_size,
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": get("attention.head_count_kv"),
+        "head_dim": hidden_size // num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": get("context_length"),
+        "rms_norm_eps": _float32_value(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _float32_value(get("rope.freq_base")),
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", gguf_path),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", gguf_path),
     }
     if "tokenizer.ggml.padding_token_id" in reader.fields:
-        hp["pad_token_id"] = _field(reader, "tokenizer.ggml.padding_token_id", gguf_path)
-    if "tokenizer.chat_template" in reader.fields:
-        hp["chat_template"] = _field(reader, "tokenizer.chat_template", gguf_path)
-    hp["head_dim"] = hp["hidden_size"] // hp["num_heads"]
+        config["pad_token_id"] = _field(reader, "tokenizer.ggml.padding_token_id", gguf_path)
     rope_dims = reader.fields.get("llama.rope.dimension_count")
-    if rope_dims is not None and rope_dims.contents() != hp["head_dim"]:
+    if rope_dims is not None and rope_dims.contents() != config["head_dim"]:
         raise ValueError(f"{gguf_path}: rope.dimension_count {rope_dims.contents()} differs from "
-                         f"head_dim {hp['head_dim']}; only full-width RoPE is supported")
-    return hp
+                         f"head_dim {config['head_dim']}; only full-width RoPE is supported")
+    return config
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -207,9 +215,9 @@ def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _state_dict(reader, hp: dict) -> dict[str, torch.Tensor]:
+def _state_dict(reader, config: dict) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to float32, one at a time, under its HF name."""
-    permuted_heads = {"attn_q": hp["num_heads"], "attn_k": hp["num_kv_heads"]}
+    permuted_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     state_dict = {}
     for tensor in reader.tensors:
         w = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
@@ -252,48 +260,20 @@ def _build_tokenizer(reader, tokens: list[str], gguf_path):
     return tokenizer
 
 
-def _token_ids(hp: dict) -> dict:
-    return {key: hp[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id") if key in hp}
-
-
-def _config(hp: dict) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": hp["vocab_size"],
-        "hidden_size": hp["hidden_size"],
-        "intermediate_size": hp["intermediate_size"],
-        "num_hidden_layers": hp["num_layers"],
-        "num_attention_heads": hp["num_heads"],
-        "num_key_value_heads": hp["num_kv_heads"],
-        "head_dim": hp["head_dim"],
-        "hidden_act": "silu",
-        "max_position_embeddings": hp["context_length"],
-        "rms_norm_eps": hp["rms_norm_eps"],
-        "rope_theta": hp["rope_theta"],
-        "rope_scaling": None,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": hp["tie_word_embeddings"],
-        "torch_dtype": "float32",
-        **_token_ids(hp),
-    }
-
-
-def _tokenizer_config(tokens: list[str], hp: dict) -> dict:
+def _tokenizer_config(reader, tokens: list[str], model_config: dict) -> dict:
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",  # i.e. "use tokenizer.json as it is"
-        "bos_token": tokens[hp["bos_token_id"]],
-        "eos_token": tokens[hp["eos_token_id"]],
+        "bos_token": tokens[model_config["bos_token_id"]],
+        "eos_token": tokens[model_config["eos_token_id"]],
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": hp["context_length"],
+        "model_max_length": model_config["max_position_embeddings"],
     }
-    if "pad_token_id" in hp:
-        config["pad_token"] = tokens[hp["pad_token_id"]]
-    if "chat_template" in hp:
-        config["chat_template"] = hp["chat_template"]
+    if "pad_token_id" in model_config:
+        config["pad_token"] = tokens[model_config["pad_token_id"]]
+    if "tokenizer.chat_template" in reader.fields:
+        config["chat_template"] = reader.fields["tokenizer.chat_template"].contents()
     return config
 
 

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from models import Decoder
 from models.config import ModelConfig
+from models.shapes import RANDOM_PREFIX, fill_random
 from models.tensor_parallel import Shard, local_config, shard_index
 
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -71,7 +72,7 @@ def _destination(name: str, cfg: ModelConfig) -> tuple[str, int] | None:
     return name, 0
 
 
-def load_weights(model: Decoder, path: Path, whole: ModelConfig | None = None) -> None:
+def load_weights(model: Decoder, path: Path, whole: ModelConfig) -> None:
     """Copy every checkpoint tensor (or, for a rank of a split model, its part of it: whole is
     the model's shape, models/tensor_parallel.py) into its place; fail clearly on a bad file
     or a gap."""
@@ -87,7 +88,7 @@ def load_weights(model: Decoder, path: Path, whole: ModelConfig | None = None) -
                     target, offset = dest
                     if target not in params:
                         raise ValueError(f"{file.name}: unexpected tensor {name!r} for this architecture")
-                    tensor = f.get_slice(name)[shard_index(name, whole or model.config, model.shard)]
+                    tensor = f.get_slice(name)[shard_index(name, whole, model.shard)]
                     param = params[target]
                     piece = param.data[offset:offset + tensor.shape[0]]
                     if piece.shape != tensor.shape:
@@ -108,12 +109,16 @@ def load_weights(model: Decoder, path: Path, whole: ModelConfig | None = None) -
                          + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
 
 
-def load_model(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+def load_model(source: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                max_len: int, shard: Shard = Shard()) -> Decoder:
-    """The model of cfg's shape, or shard's part of it."""
+    """The model of cfg's shape, or shard's part of it, with the weights of source: a checkpoint
+    directory, or "random:<shape>" for random ones (models/shapes.py)."""
     with torch.device("meta"):  # shapes only: no memory, no random init
         model = Decoder(local_config(cfg, shard.size), max_len, shard).to(dtype)
     model = model.to_empty(device=device)
-    load_weights(model, path, cfg)
+    if str(source).startswith(RANDOM_PREFIX):
+        fill_random(model)
+    else:
+        load_weights(model, Path(source), cfg)
     model.cos_sin = model.cos_sin.to(device)
     return model.eval().requires_grad_(False)

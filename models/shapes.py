@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 
 from models.config import ModelConfig
-from models.decoder import Decoder
-from models.tensor_parallel import Shard, local_config
 
 SHAPES = {
     "llama-3.1-8b": dict(
@@ -50,18 +48,11 @@ def shape_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf(SHAPES[name])
 
 
-def random_model(name: str, dtype: torch.dtype, device: torch.device | str, max_len: int,
-                 shard: Shard = Shard()) -> Decoder:
-    """A model of the named shape (shard's part of it) with random weights, for timing."""
-    cfg = shape_config(name)
-    with torch.device("meta"):
-        model = Decoder(local_config(cfg, shard.size), max_len, shard).to(dtype)
-    model = model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
+def fill_random(model: torch.nn.Module) -> None:
+    """Random weights for timing: norms 1, the rest small noise (the same on every run)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
     for pname, p in model.named_parameters():
         if "norm" in pname:
             p.data.fill_(1.0)
         else:
             p.data.normal_(0.0, 0.02, generator=generator)
-    model.cos_sin = model.cos_sin.to(device)
-    return model.eval().requires_grad_(False)

@@ -23,18 +23,17 @@ from models.config import ModelConfig
 
 @dataclass(frozen=True)
 class Shard:
-    """Which part of the model this process holds: rank of size, adding partial sums over group
-    (None: torch.distributed's default group); replicas: the ranks holding the same KV head as
+    """Which part of the model this process holds: rank of size (its collectives are over every
+    rank: torch.distributed's default group); replicas: the ranks holding the same KV head as
     this one, when KV heads are replicated (None when each lives on one rank)."""
     rank: int = 0
     size: int = 1
-    group: dist.ProcessGroup | None = None
     replicas: dist.ProcessGroup | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over the ranks, in place (one rank: x)."""
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            dist.all_reduce(x)
         return x
 
     def sum_over_replicas(self, scores: torch.Tensor) -> torch.Tensor:
@@ -50,7 +49,7 @@ class Shard:
         if self.size == 1:
             return values
         tensor = torch.tensor(values, dtype=torch.float64, device=device)
-        dist.broadcast(tensor, 0, group=self.group)
+        dist.broadcast(tensor, 0)
         return tensor.tolist()
 
     @property
@@ -70,7 +69,7 @@ class Shard:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        dist.all_gather(parts, x.contiguous())
         return torch.cat(parts[::self.num_replicas], dim=2)
 
     def min(self, n: int, device: torch.device) -> int:
@@ -85,7 +84,7 @@ class Shard:
         if self.size == 1:
             return n
         value = torch.tensor([n], device=device)
-        dist.all_reduce(value, op=op, group=self.group)
+        dist.all_reduce(value, op=op)
         return int(value)
 
 

@@ -25,7 +25,8 @@ from kernels.kv_store import quantize
 from kernels.norm import rms_norm_triton
 from kernels.rope import apply_rope_triton, rope_cos_sin_cache
 from models import AttentionMetadata, KVCache
-from models.shapes import random_model
+from models.loader import load_model
+from models.shapes import shape_config
 from nanokv.engine.cuda_graphs import DecodeGraphs
 
 
@@ -142,7 +143,8 @@ def bench_elementwise(bw: float) -> list[str]:
 def bench_decode_step(bw: float) -> list[str]:
     """A Llama-3.1-8B-shaped decode step, batch 64, context 1k, replayed from a CUDA graph."""
     batch, ctx, block, max_len = 64, 1024, 16, 2048
-    model = random_model("llama-3.1-8b", torch.bfloat16, "cuda", max_len)
+    model = load_model("random:llama-3.1-8b", shape_config("llama-3.1-8b"), torch.bfloat16, torch.device("cuda"),
+                       max_len)
     cfg = model.config
     per_seq = max_len // block
     device = torch.device("cuda", torch.cuda.current_device())
