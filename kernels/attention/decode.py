@@ -149,7 +149,7 @@ def _decode_merge_kernel(
         stride_lgp, stride_lgg, stride_sp, stride_table_b, stride_table_h, stride_cl, stride_pcp,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-        RETURN_LSE: tl.constexpr, SCORES: tl.constexpr, SQUARE: tl.constexpr, SKIP: tl.constexpr):
+        SCORES: tl.constexpr, SQUARE: tl.constexpr, SKIP: tl.constexpr):
     """Combine the splits of one (sequence, KV head), and emit its key scores.
 
     Grid (B, Hkv, num_splits). Every program computes the final log-sum-exp of
@@ -200,8 +200,7 @@ def _decode_merge_kernel(
             acc += weight[:, None] * tl.load(part_out_ptr + part + i * stride_pos, mask=mask, other=0.0)
         tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + dims[None, :],
                  (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-        if RETURN_LSE:
-            tl.store(lse_ptr + seq * stride_lb + head, lse * LN2, mask=row_valid)
+        tl.store(lse_ptr + seq * stride_lb + head, lse * LN2, mask=row_valid)
 
     if SCORES:
         table = table_ptr + seq * stride_table_b + kv_head * stride_table_h
@@ -306,6 +305,6 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         square_scores if square else score_from, *((score_skip, positions, pos_cache) if skip else (score_from,) * 3),
         num_splits, *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1), lse.stride(0),
         *logits.stride()[:2], score_cache.stride(0), *table_strides, pos_cache.stride(0) if skip else 0,
-        G_PAD=triton.next_power_of_2(G), RETURN_LSE=return_lse, SCORES=scores, SQUARE=square, SKIP=skip,
+        G_PAD=triton.next_power_of_2(G), SCORES=scores, SQUARE=square, SKIP=skip,
         num_warps=num_warps, **common)
     return (out, lse) if return_lse else out

@@ -22,7 +22,7 @@ def _paged_attention_kernel(
         stride_ot, stride_oh, stride_lt, stride_table_b, stride_table_h, stride_cl,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, RETURN_LSE: tl.constexpr, QUANTIZED: tl.constexpr):
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr):
     """One program: BLOCK_Q query tokens of one sequence x the G query heads of one KV head.
 
     Grid (B, cdiv(max_query_len, BLOCK_Q), Hkv); programs past the end of
@@ -75,8 +75,7 @@ def _paged_attention_kernel(
     out = acc / l[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
-    if RETURN_LSE:
-        tl.store(lse_ptr + q_rows * stride_lt + head, (m + tl.log2(l)) * LN2, mask=row_valid)
+    tl.store(lse_ptr + q_rows * stride_lt + head, (m + tl.log2(l)) * LN2, mask=row_valid)
 
 
 def prefill_tiles(dtype: torch.dtype, max_query_len: int, group: int) -> tuple[int, int, int]:
@@ -127,6 +126,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             out.stride(0), out.stride(1), lse.stride(0), *page_tables.stride()[:2], context_lens.stride(0),
             HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
             G=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-            UPCAST=upcast, DOT_PRECISION=precision, RETURN_LSE=return_lse, QUANTIZED=kv_scales is not None,
+            UPCAST=upcast, DOT_PRECISION=precision, QUANTIZED=kv_scales is not None,
             num_warps=num_warps)
     return (out, lse) if return_lse else out
