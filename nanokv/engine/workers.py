@@ -116,9 +116,12 @@ def cpu_threads(config: EngineConfig) -> int:
     return config.num_threads or max(1, cores // config.tensor_parallel_size)
 
 
-def _padded(positions: torch.Tensor, length: int) -> torch.Tensor:
-    """Kept positions [L, H, n] padded with -1 to [L, H, length]: the same shape on every rank."""
-    return torch.nn.functional.pad(positions, (0, length - positions.shape[-1]), value=-1)
+def _padded(positions: torch.Tensor, control) -> torch.Tensor:
+    """Kept positions [L, H, n] padded with -1 to the largest n of any rank: the same shape on
+    every rank, for one gather."""
+    longest = torch.tensor([positions.shape[-1]])
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=control)
+    return torch.nn.functional.pad(positions, (0, int(longest) - positions.shape[-1]), value=-1)
 
 
 def broadcast(message, group):
@@ -147,7 +150,6 @@ class Workers:
         for process in self.processes:
             process.start()
         self.shard, self.control = connect(0, size, address, device, cfg.num_kv_heads)
-        self.max_model_len = config.max_model_len
         self.stopped = False
         self.mirrored: dict[int, list] = {}   # seq_id -> [seq, tokens sent, offloaded blocks sent]: the mirrors
 
@@ -193,7 +195,7 @@ class Workers:
         of each KV head), -1 after a head's last (an uneven method's heads hold different numbers)."""
         self.check()
         broadcast((KEPT, tuple(self._describe(seq, 0))), self.control)
-        own = _padded(own, self.max_model_len)
+        own = _padded(own, self.control)
         parts = [torch.empty_like(own) for _ in range(self.shard.size)]
         dist.gather(own, parts, dst=0, group=self.control)
         every = torch.cat(parts[::self.shard.num_replicas], dim=1)
@@ -290,7 +292,7 @@ def run_worker(rank: int, address: str, config: EngineConfig, model: str, cfg: M
                 break
             if kind == KEPT:
                 positions = runner.kept_positions(mirror.update(Update(*message[0])))
-                dist.gather(_padded(positions, config.max_model_len), dst=0, group=control)
+                dist.gather(_padded(positions, control), dst=0, group=control)
             else:
                 runner.run(mirror.batch(*message))
         dist.destroy_process_group()
