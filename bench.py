@@ -48,8 +48,8 @@ PRESETS = {
     # static batches only, under 2 minutes on one CPU core (docs/BENCH.md); full fits 2 requests
     "cpu-small": dict(mode="paper", input_len=512, output_len=32, kv_cache_gb=0.052, budgets=[128],
                       ed_budgets=[2], max_batch=16, num_requests=0),
-    # the paper's shape with a shorter output, static batches only: the gpu report's part (2-3 minutes)
-    "gpu-paper": dict(mode="paper", random_weights="llama-3.1-8b", input_len=3584, output_len=128,
+    # the paper's setting, static batches only: the gpu report's part (about 1.5 minutes on an H200)
+    "gpu-paper": dict(mode="paper", random_weights="llama-3.1-8b", input_len=3584, output_len=512,
                       kv_cache_gb=4.0, budgets=[1024], ed_budgets=[2], max_batch=128, num_requests=0),
 }
 MODE_DEFAULTS = {
@@ -64,13 +64,30 @@ MODE_DEFAULTS = {
     "offload": dict(num_requests=16, methods=["full", "batchmax"], budgets=[256], max_num_seqs=64,
                     max_num_batched_tokens=4096),
 }
+ENGINE_FLAGS = ("dtype", "kv_cache_dtype", "kv_cache_gb", "block_size", "enforce_eager", "max_num_seqs",
+                "max_num_batched_tokens", "num_threads", "tensor_parallel_size")
+MODEL = ("model", "random_weights")
+METHODS = ("methods", "budgets", "ed_budgets", "evict_every")
+# The flags each mode reads (besides --mode and --preset): any other one given is an error, never ignored.
+MODE_FLAGS = {
+    "paper": {*MODEL, *ENGINE_FLAGS, *METHODS, "input_len", "output_len", "max_batch", "num_requests", "out", "plot"},
+    "sweep": {*MODEL, *ENGINE_FLAGS, *METHODS, "input_len", "input_lens", "output_len", "batches", "out", "plot"},
+    "workload": {*MODEL, *ENGINE_FLAGS, *METHODS, "num_requests", "out"},
+    "prefix": {*MODEL, *ENGINE_FLAGS, "input_len", "output_len", "num_requests", "suffix_len", "turns", "out"},
+    "host": {"random_weights", "dtype", "kv_cache_dtype", "block_size", "enforce_eager", "num_threads",
+             "tensor_parallel_size", "methods", "budgets", "evict_every", "input_len", "output_len", "batches", "out"},
+    "offload": {*MODEL, *(set(ENGINE_FLAGS) - {"kv_cache_gb"}), *METHODS, "num_requests", "output_len", "out"},
+    "hf": {"model", "num_threads", "input_len", "output_len", "batch", "chat_lens", "chat_tokens"},
+    "gpu-report": {"report", "commit"},
+}
 
 
 # ----- command line ----------------------------------------------------------------------
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Flags, with defaults that depend on the mode and the preset (the preset's win)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--mode", choices=["paper", "workload", "sweep", "hf", "gpu-report", "prefix", "host",
                                                   "offload"])
     p.add_argument("--preset", choices=sorted(PRESETS))
@@ -101,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="append one JSON line per run here (sweep default: bench.jsonl)")
     p.add_argument("--plot", metavar="PNG", help="tokens/s and peak KV memory against batch size")
     p.add_argument("--report", default="gpu-report.md", help="gpu-report: where the markdown report goes")
+    p.add_argument("--commit", help="gpu-report: the commit the tree was copied from (default: git's, if this "
+                   "directory is a checkout of its own)")
     first, _ = p.parse_known_args(argv)
     cpu_default = first.mode is None and first.preset is None and not torch.cuda.is_available()
     preset = PRESETS["cpu-small" if cpu_default else first.preset] if cpu_default or first.preset else {}
@@ -108,11 +127,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.set_defaults(**{**MODE_DEFAULTS[mode], **preset, "mode": mode, "cpu_default": cpu_default},
                    **({"plot": "bench.png"} if cpu_default else {}))
     args = p.parse_args(argv)
+    unused = sorted(given_flags(p, argv, args) - MODE_FLAGS[mode] - {"mode", "preset"})
+    if unused:
+        p.error(f"--mode {mode} does not use {', '.join('--' + f.replace('_', '-') for f in unused)} "
+                f"(it takes {', '.join(sorted('--' + f.replace('_', '-') for f in MODE_FLAGS[mode]))})")
     if args.kv_cache_gb is None and args.mode in ("paper", "sweep"):
         args.kv_cache_gb = 4.0 if torch.cuda.is_available() else 0.4
     if args.out is None and args.mode == "sweep":
         args.out = "bench.jsonl"
     return args
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None, parsed: argparse.Namespace) -> set[str]:
+    """The options the command line itself set: argparse fills in a default only where the
+    namespace it parses into lacks the attribute, so parsing into one that has them all,
+    unset, leaves exactly the given ones set."""
+    unset = object()
+    again = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(parsed), unset)))
+    return {name for name, value in vars(again).items() if value is not unset}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -126,7 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     if args.mode == "gpu-report":
         from nanokv.tools import gpu_report
-        sys.exit(gpu_report.main(args.report))
+        sys.exit(gpu_report.main(args.report, commit=args.commit))
 
     def save(rec: dict) -> None:
         if args.out:

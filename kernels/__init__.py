@@ -148,16 +148,23 @@ def decode_programs(device: torch.device) -> int:
     return DECODE_WAVES * decode_programs_per_sm(gpu.major) * gpu.multi_processor_count
 
 
+def split_count(batch_size: int, num_kv_heads: int, max_context_len: int, programs: int) -> int:
+    """Splits per (sequence, KV head) for flash-decoding, for a launch that aims at `programs`
+    (sequence, KV head, split) programs: as many splits as that takes, and no more than a
+    context of max_context_len can use (a split holds at least MIN_SPLIT slots). Small batches
+    thus spread a long context over the GPU (batch 1, 8 KV heads, 4k context: 16 splits), large
+    ones take a few splits per head."""
+    wanted = -(-programs // (batch_size * num_kv_heads))
+    return max(1, min(wanted, -(-max_context_len // MIN_SPLIT)))
+
+
 def decode_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
-    """Splits per (sequence, KV head) for flash-decoding: enough programs for DECODE_WAVES
-    waves, and no more than a context of max_context_len can use (each split holds at
-    least MIN_SPLIT slots). Depends on shapes only, so CUDA graphs (which pass
+    """split_count for device's GPU. Depends on shapes only, so CUDA graphs (which pass
     max_model_len) and eager steps of one batch size compile and launch alike. An eager
     step's bound can be lower (its longest context: fewer splits) or higher (a head whose
     own pages reach past max_model_len, kvcompress), so at long contexts graphed and eager
     steps can sum their splits in another order: equal up to the last bits."""
-    wanted = -(-decode_programs(device) // (batch_size * num_kv_heads))
-    return max(1, min(wanted, -(-max_context_len // MIN_SPLIT)))
+    return split_count(batch_size, num_kv_heads, max_context_len, decode_programs(device))
 
 
 def decode_partials(max_num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
@@ -273,4 +280,4 @@ __all__ = ["BACKENDS", "QUANT_MAX", "DecodeWorkspace", "PackedLinear", "StepPlan
            "backend", "can_prepack", "captures_graphs", "check_device", "compact_kv", "decode_num_splits",
            "decode_partials", "decode_programs", "decode_workspace_for", "dequantize", "forced_backend", "logits_scratch",
            "packs_weights", "paged_attention", "plan_step", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
-           "set_backend", "silu_and_mul", "store_kv"]
+           "set_backend", "silu_and_mul", "split_count", "store_kv"]

@@ -117,10 +117,13 @@ def _quantized(x, QMAX: tl.constexpr, INT8: tl.constexpr):
     """Rows of x [H, D] -> (x / scale clamped and rounded to the format, in fp32; scale [H])."""
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), 1)
-    y = x * (QMAX / tl.where(amax > 0, amax, 1.0))[:, None]   # a zero row stays 0
+    # Divisions rounded as torch's (a GPU's plain fp32 "/" is approximate, an ulp off at times,
+    # which moves y across a rounding boundary now and then).
+    qmax = tl.full(amax.shape, QMAX, tl.float32)
+    y = x * tl.div_rn(qmax, tl.where(amax > 0, amax, 1.0))[:, None]   # a zero row stays 0
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     y = tl.floor(y + 0.5) if INT8 else _round_to_e4m3(y)
-    return y, amax / QMAX
+    return y, tl.div_rn(amax, qmax)
 
 
 @triton.jit

@@ -8,9 +8,10 @@ hands out, one page per (block, KV head), in two halves: even layers read the fi
 layers the second, so that one half can fill while the other is read. Before each layer's
 attention, HostStream has filled its half with that layer's K/V: for the first positions
 it recomputes K/V from the layer inputs the host tier kept when the prompt was read (the
-layer's own projection, norms and RoPE), for the rest it copies the K/V itself, one
-gather on the host and one transfer per buffer. How many positions are recomputed is
-KVPR's split (nanokv/engine/offload_costs.py), chosen by the runner.
+layer's own projection, norms and RoPE), for the rest it copies the K/V itself: per
+buffer one gather on the host, into a staging buffer every step reuses, and one transfer
+(HostKVCache.stage_layer). How many positions are recomputed is KVPR's split
+(nanokv/engine/offload_costs.py), chosen by the runner.
 
 On CUDA the copies run on a stream of their own: layer i+1's are issued before layer i's
 attention, once layer i-1 (the last reader of that half) is done, and layer i's attention
@@ -71,13 +72,10 @@ class HostStream:
 
     def _copy(self, layer: int) -> torch.Tensor | None:
         """Copy layer's K/V into its half; returns the recomputed positions' inputs on the device."""
-        if len(self.blocks):
-            for host, pool in zip(self.host.per_slot, self.host.cache.per_slot):
-                pool[self.pages[layer % 2]] = self.host.to_device(host[self.blocks, layer])   # [n, Hkv, bs, ...]
-        if not len(self.positions):
-            return None
-        rows, positions = self.inputs
-        return self.host.to_device(self.host.layer_inputs[rows, layer, positions])
+        pages, inputs = self.host.stage_layer(layer % 2, layer, self.blocks, self.inputs)
+        for staged, pool in zip(pages, self.host.cache.per_slot):   # [n, Hkv, bs, ...] each
+            pool[self.pages[layer % 2]] = staged
+        return inputs
 
     def _issue(self, layer: int) -> None:
         """Issue layer's copies on the copy stream, after everything the device has been given so

@@ -101,7 +101,13 @@ class HostKVCache:
 
     For decoding from the host with partial recomputation (models/host_stream.py) it also
     keeps the layer inputs of the first positions of every running sequence, by the row of
-    its block table: layer_inputs [rows, L, positions, hidden] in the model's dtype."""
+    its block table: layer_inputs [rows, L, positions, hidden] in the model's dtype.
+
+    What a step decoding from the host reads of one layer is gathered into staging buffers
+    (stage_layer), two sets that alternate between even and odd layers as the pool's
+    staging pages do, each as large as one layer of the whole tier; they are allocated at the
+    first such step and reused by every one after, pinned like the tier, so the transfer
+    leaves from them directly."""
 
     def __init__(self, cache: KVCache, num_blocks: int, layer_inputs: tuple[int, ...] = (0, 0, 0, 0),
                  dtype: torch.dtype = torch.float32):
@@ -110,6 +116,8 @@ class HostKVCache:
         self.per_slot = tuple(torch.zeros(num_blocks, cache.num_layers, cache.num_kv_heads, *buffer.shape[1:],
                                           dtype=buffer.dtype, pin_memory=pinned) for buffer in cache.per_slot)
         self.layer_inputs = torch.zeros(layer_inputs, dtype=dtype, pin_memory=pinned)
+        self._staging: list[tuple[torch.Tensor, ...]] = []   # per half: a buffer per per_slot, then the inputs'
+        self._transferred: list[torch.cuda.Event | None] = [None, None]   # per half: its last transfer's end
 
     @staticmethod
     def bytes_per_block(cache: KVCache) -> int:
@@ -136,8 +144,47 @@ class HostKVCache:
         for host, buffer in zip(self.per_slot, self.cache.per_slot):
             buffer[pages] = self.to_device(host[rows])
 
+    def stage_layer(self, half: int, layer: int, blocks: torch.Tensor,
+                    inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Layer's pages of host blocks (per buffer [n, Hkv, bs, ...]) and its kept layer inputs
+        at inputs = (rows, positions) ([P, hidden], None for no positions), on the pool's device:
+        gathered on the host into half's staging buffers, then one transfer each. On CUDA the
+        transfers are issued on the current stream; half's buffers are written again only
+        after they have left."""
+        staging = self._staging_buffers(half)
+        if self._transferred[half] is not None:
+            self._transferred[half].synchronize()
+        L, pages, staged_inputs = self.cache.num_layers, [], None
+        if len(blocks):   # host block b's layer is row b * L + layer of [num_blocks * L, Hkv, bs, ...]
+            for host, out in zip(self.per_slot, staging):
+                pages.append(self.to_device(torch.index_select(host.flatten(0, 1), 0, blocks * L + layer,
+                                                               out=out[:len(blocks)])))
+        rows, positions = inputs
+        if len(positions):   # [rows * L * positions, hidden]
+            at = (rows * L + layer) * self.layer_inputs.shape[2] + positions
+            staged_inputs = self.to_device(torch.index_select(self.layer_inputs.flatten(0, 2), 0, at,
+                                                              out=staging[-1][:len(at)]))
+        if self.cache.k.device.type == "cuda":
+            self._transferred[half] = torch.cuda.current_stream().record_event()
+        return pages, staged_inputs
+
+    def _staging_buffers(self, half: int) -> tuple[torch.Tensor, ...]:
+        """half's staging buffers: a layer of every host block per buffer, and a layer of every
+        kept input; allocated (both halves) the first time, outside inference mode like the
+        tier, so that they can be written in it and out of it."""
+        if not self._staging:
+            pinned = self.cache.k.device.type == "cuda"
+            rows, _, positions, hidden = self.layer_inputs.shape
+            with torch.inference_mode(False):
+                self._staging = [tuple(torch.empty(self.num_blocks, *host.shape[2:], dtype=host.dtype,
+                                                   pin_memory=pinned) for host in self.per_slot)
+                                 + (torch.empty(rows * positions, hidden, dtype=self.layer_inputs.dtype,
+                                                pin_memory=pinned),) for _ in range(2)]
+        return self._staging[half]
+
     def to_device(self, staged: torch.Tensor) -> torch.Tensor:
         """A tensor gathered on the host, on the pool's device (on CUDA through pinned memory,
-        so that the host need not wait for the transfer)."""
+        so that the host need not wait for the transfer; a pinned one, as the staging buffers
+        are, is not copied again)."""
         device = self.cache.k.device
         return (staged.pin_memory() if device.type == "cuda" else staged).to(device, non_blocking=True)

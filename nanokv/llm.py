@@ -246,9 +246,7 @@ class LLM:
         for seq_id, token in sampled.items():
             request = self.requests[seq_id]
             try:
-                if seq_id in done:
-                    self._finish(request.seq, done[seq_id])
-                out = self._emit(request, token, every_token)
+                out = self._emit(request, token, every_token, done.get(seq_id))
                 if out is not None:
                     outputs.append(out)
             except Exception as error:   # this request's own failure: it ends, the others go on
@@ -274,23 +272,27 @@ class LLM:
                 seq.kept_positions = self.workers.kept_positions(seq, seq.kept_positions)
         self.scheduler.finish(seq, reason)
 
-    def _emit(self, request: _Request, token: int, every_token: bool) -> RequestOutput | None:
-        """Detokenize the request's new tokens and check its stop strings; its output, if it
-        finished or every_token asks for one. With neither stop strings nor a caller waiting
-        for every token (generate), its text is decoded once, when it finishes."""
+    def _emit(self, request: _Request, token: int, every_token: bool, reason: str | None) -> RequestOutput | None:
+        """Detokenize the request's new tokens, check its stop strings, and end it if it ends
+        here: the one place a request's end and its reason are decided. reason: why the step
+        found it done (EOS, a stop token: "stop"; max_tokens, max_model_len: "length"), None if
+        it goes on; a stop string in its text makes it "stop" whatever else ended it. Its
+        output, if it finished or every_token asks for one. With neither stop strings nor a
+        caller waiting for every token (generate), its text is decoded once, when it finishes."""
         seq = request.seq
-        if not (every_token or seq.is_finished or seq.params.stop):
+        if not (every_token or reason or seq.params.stop):
             return None   # nothing to say yet, and no text to follow
         if request.detokenizer is not None:
             fed = len(request.detokenizer.ids) - seq.num_prompt_tokens
             request.text += request.detokenizer.add(seq.output_token_ids[fed:])
-            if seq.is_finished:   # no more tokens will complete a held-back partial character
+            if reason is not None:   # no more tokens will complete a held-back partial character
                 request.text += request.detokenizer.flush()
         stops = seq.params.stop
         hit = [i for i in (request.text.find(s) for s in stops) if i >= 0]
         if hit:
-            request.text = request.text[:min(hit)]
-            self._finish(seq, "stop")
+            request.text, reason = request.text[:min(hit)], "stop"
+        if reason is not None:
+            self._finish(seq, reason)
         # While running, hold back a tail that might still grow into a stop string.
         held = 0 if seq.is_finished or not stops else max(map(len, stops)) - 1
         upto = max(request.streamed, len(request.text) - held)

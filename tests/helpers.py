@@ -13,6 +13,7 @@ from nanokv import SamplingParams
 VOCAB = 300   # 256 byte tokens + 2 specials, padded: ids 258..299 exist only in the model
 
 # Where kernel tests run Triton: compiled on a GPU, else in the interpreter on the CPU (conftest).
+# Tests of Triton build no tensor on a default device (tests/kernels/test_kernel_device.py).
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

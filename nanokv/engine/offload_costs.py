@@ -17,7 +17,8 @@ the input is h values of the activation dtype, K/V are 2 Hkv D values of the cac
 t falls with l while l c < (s - l) k if a < k, and rises after: the best l is 0 when a >= k
 (a grouped-query model whose layer input is larger than its K/V, or an 8-bit cache), else
 the crossing s k / (c + k), rounded to the better neighbour (best_split). What the link and
-the device do is measured once (measure_link_and_device).
+the device do is measured once a process (measure_link_and_device): every engine built after
+the first, and the bench's tables, weigh the same numbers.
 
 Preemption: swapping moves a sequence's blocks over the link twice (out, and back), while
 recomputing runs its computed tokens through the model again, about 2 flops per parameter per
@@ -27,6 +28,7 @@ PCIe; a small model on a fast GPU can prefill a token quicker than the link move
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -84,11 +86,12 @@ def best_split(s: int, cost: PositionCost) -> int:
     return min(sorted(candidates), key=lambda l: cost.layer_time(l, s))
 
 
+@functools.cache
 def measure_link_and_device(device: torch.device, dtype: torch.dtype, hidden: int,
                             kv_width: int) -> tuple[float, float]:
     """(bytes/s from host to device, flops/s of the K/V projection's matmul) on this machine:
     a pinned 64 MB copy (on a CPU, a copy within memory) and a matmul of 1,024 positions,
-    each the best of three."""
+    each the best of three; measured at the first call for these arguments, remembered after."""
     def best(run) -> float:
         run()
         times = []

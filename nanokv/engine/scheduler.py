@@ -57,9 +57,30 @@ class ScheduledBatch:
     loads: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     resumed: list[Swap] = field(default_factory=list)   # swapped back in: their own page tables follow
+    preempted: set[int] = field(default_factory=set)    # seq ids: none is admitted again in the same step
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def save(self, pairs: list[tuple[int, int]]) -> None:
+        """Queue copies of a sequence's device blocks to the host tier. The runner makes every
+        save before any load or copy, so a block this step fills must not be saved in it: the
+        save would read what was there before."""
+        filled = {device for _, device in self.loads} | {device for _, device in self.copies}
+        assert not filled.intersection(device for device, _ in pairs), "a step saves a block it fills first"
+        self.saves += pairs
+
+
+@dataclass
+class StepRoom:
+    """What seq's next step takes (Scheduler._step_room): the eviction before it, the slots
+    left after that, the tokens it runs, the blocks it keeps after an eviction and the slots
+    it needs blocks for."""
+    evict: int
+    slots: int
+    num_tokens: int
+    blocks_kept: int
+    room: int
 
 
 class Scheduler:
@@ -95,7 +116,7 @@ class Scheduler:
                 budget -= self._plan(seq, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            room = self._room_for(seq)
+            room = None if seq.seq_id in batch.preempted else self._room_for(seq, budget)
             if room is None:
                 break
             self.waiting.popleft()
@@ -111,14 +132,17 @@ class Scheduler:
         self.host_copies[1] += len(batch.loads)
         return batch
 
-    def _room_for(self, seq: Sequence) -> tuple[list[Hit], int] | None:
+    def _room_for(self, seq: Sequence, budget: int) -> tuple[list[Hit], int] | None:
         """The cached blocks seq starts with and the number of blocks to allocate for it; None
         if the pool cannot take it now. A cached block no one holds counts as free until seq
         takes it; one that copies holds its sources while its own blocks are allocated, so it
-        copies fewer rather than wait. A block cached in the host tier takes a device block."""
-        if seq.swapped is not None:   # its blocks come back, with room to go on
+        copies fewer rather than wait. A block cached in the host tier takes a device block.
+        A sequence swapped out comes back when the pool also has what _plan will then ask for
+        its next step (of at most budget tokens), so it is never preempted by its own step."""
+        if seq.swapped is not None:
             needed = max(len(seq.swapped.host), self.blocks.blocks_for(seq.method.schedule.reserve_slots(seq)))
-            return ([], needed) if self.blocks.can_allocate(needed) else None
+            step = self.blocks.blocks_for(self._step_room(seq, budget, held=needed).room)
+            return ([], needed) if self.blocks.can_allocate(max(needed, step)) else None
         hits = self._cached_prefix(seq)
         shares = seq.method.shares_blocks
         shared = sum(not hit.on_host for hit in hits) if shares else 0
@@ -170,9 +194,9 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_kv_slots = len(hits) * self.blocks.block_size
         seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
 
-    def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
-        """Put seq's next chunk (and the eviction before it) in the batch; returns its
-        length, 0 if seq had to be preempted for lack of blocks."""
+    def _step_room(self, seq: Sequence, budget: int, held: int | None = None) -> StepRoom:
+        """What seq's next step of at most budget tokens takes, holding `held` blocks (None: its
+        block table's): the one count admission and planning share."""
         evict = seq.method.schedule.evict_count(seq)
         slots = seq.num_kv_slots - evict
         n = min(budget, seq.method.schedule.max_chunk(seq, slots))
@@ -182,13 +206,21 @@ class Scheduler:
         if evict and seq.method.uneven and self.config.tensor_parallel_size > 1:
             # Split over ranks, one rank's heads may keep every page they hold and still need their
             # room for new pairs (evict.py, _choose_pages): the blocks it holds and that room.
-            room = max(room, min((len(seq.block_table.ids) + kept - slots // self.blocks.block_size)
-                                 * self.blocks.block_size, self.config.max_model_len))
-        if not self._make_room(seq, room, batch):
+            held = len(seq.block_table) if held is None else held
+            room = max(room, min((held + kept - slots // self.blocks.block_size) * self.blocks.block_size,
+                                 self.config.max_model_len))
+        return StepRoom(evict, slots, n, kept, room)
+
+    def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        """Put seq's next chunk (and the eviction before it) in the batch; returns its
+        length, 0 if seq had to be preempted for lack of blocks."""
+        step = self._step_room(seq, budget)
+        if not self._make_room(seq, step.room, batch):
             return 0
-        if evict:
-            batch.evictions.append(Eviction(seq, evict, seq.num_kv_slots, kept))
-            seq.num_kv_slots = slots   # the runner compacts before the forward pass
+        if step.evict:
+            batch.evictions.append(Eviction(seq, step.evict, seq.num_kv_slots, step.blocks_kept))
+            seq.num_kv_slots = step.slots   # the runner compacts before the forward pass
+        n = step.num_tokens
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         full = (seq.num_computed_tokens + n) // self.blocks.block_size
@@ -225,7 +257,7 @@ class Scheduler:
                     and full > len(seq.offloaded) and id(seq) not in loading:
                 device = seq.block_table.offload(full)
                 host = self.blocks.allocate_host(len(device))
-                batch.saves += zip(device, host)
+                batch.save(list(zip(device, host)))
                 seq.offloaded += host
                 self.blocks.free(device)
                 self.num_offloaded += len(device)
@@ -241,7 +273,7 @@ class Scheduler:
         if self._swaps(seq, len(blocks)):
             host = self.blocks.allocate_host(len(blocks))
             seq.swapped = Swap(seq, seq.offloaded + host, [OFFLOADED] * len(seq.offloaded) + blocks)
-            batch.saves += zip(blocks, host)
+            batch.save(list(zip(blocks, host)))
             self.num_swaps += 1
         else:
             self.blocks.release_host(seq.offloaded)
@@ -251,6 +283,7 @@ class Scheduler:
         self.blocks.free(blocks)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+        batch.preempted.add(seq.seq_id)
         self.num_preemptions += 1
 
     def _swaps(self, seq: Sequence, num_blocks: int) -> bool:

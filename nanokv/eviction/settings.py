@@ -45,12 +45,33 @@ class EvictionSettings:
         check_bool("kv_score_all", self.kv_score_all, optional=True)
 
 
+# The settings only some rankings take (any other refuses them), and those no full cache or ed takes.
+OWNERS = {"kv_window": ("snapkv", "kvcompress"), "kv_pool": ("snapkv",), "kv_score_all": ("kvcompress",)}
+EVICTION_ONLY = ("kv_schedule", "kv_sinks", "kv_recent", *OWNERS)
+
+
+def applies(setting: str, method: str) -> bool:
+    """Whether `setting` means anything to the ranking `method` (full and ed take only a budget
+    and p; decode_only has its schedule)."""
+    if method in ("full", "ed") and setting in EVICTION_ONLY:
+        return False
+    if setting == "kv_schedule":
+        return method != "decode_only"
+    return method in OWNERS.get(setting, (method,))
+
+
 def method_for(request: EvictionSettings, engine: EvictionSettings, block_size: int) -> KVMethod:
     """The request's method: each setting it leaves None takes the engine's, then the
-    combination is checked (make_method)."""
+    combination is checked (make_method). A request that names its own kv_method takes only
+    the engine's settings that mean something to that method: a full-cache request on an
+    engine whose default is h2o under the prefill schedule does not take the schedule."""
     def setting(name: str):
         value = getattr(request, name)
-        return getattr(engine, name) if value is None else value
+        if value is not None:
+            return value
+        if request.kv_method is not None and not applies(name, request.kv_method):
+            return None
+        return getattr(engine, name)
     return make_method(setting("kv_method"), setting("kv_schedule"), setting("kv_budget"), setting("evict_every"),
                        block_size, sinks=setting("kv_sinks"), recent=setting("kv_recent"),
                        window=setting("kv_window"), pool=setting("kv_pool"), score_all=setting("kv_score_all"))
@@ -73,11 +94,10 @@ def make_method(name: str | None, schedule: str | None, budget: int | None, evic
         recent = max(budget - evict_every, 0) // 2 if recent is None else recent
     name = name or "full"
     budget = DEFAULT_BUDGET if budget is None else budget
-    for field, value, owners in (("kv_window", window, ("snapkv", "kvcompress")), ("kv_pool", pool, ("snapkv",)),
-                                 ("kv_score_all", score_all, ("kvcompress",))):
-        if value is not None and name not in owners:
-            raise ValueError(f"{field} is a setting of {' and '.join(owners)} only; it must be None for {name}, "
-                             f"got {value!r}")
+    for field, value in (("kv_window", window), ("kv_pool", pool), ("kv_score_all", score_all)):
+        if value is not None and name not in OWNERS[field]:
+            raise ValueError(f"{field} is a setting of {' and '.join(OWNERS[field])} only; it must be None for "
+                             f"{name}, got {value!r}")
     if name in ("full", "ed"):
         fixed = "never evicts" if name == "full" else "has its own schedule (Algorithm 2)"
         for field, value in (("kv_schedule", schedule), ("kv_sinks", sinks), ("kv_recent", recent)):

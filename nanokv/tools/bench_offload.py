@@ -12,8 +12,12 @@ positions recomputed, the bytes copied (swaps, spills, streamed blocks) and the 
 copies before the steps took (streaming happens inside the forward pass). On a CPU the
 "device" pool and the host tier are both in host memory: the table shows the mechanism
 and what recomputing costs against copying (--random-weights tiny: the bookkeeping alone).
-Then KVPR's split over a generation (the paper's Figure 12) on this machine's measured link
-and device, for a multi-head shape and two grouped-query ones (nanokv.engine.offload_costs.py).
+--output-len N caps each request's output at N tokens (the pool follows the shorter demand):
+a run's decode steps follow its longest outputs, and steps that stream from the host tier
+run without CUDA graphs (on an H200, 23-40 ms each for the Qwen3-0.6B shape), so a short
+run needs short outputs. Then KVPR's split over a generation (the paper's Figure 12) on this
+machine's measured link and device, for a multi-head shape and two grouped-query ones
+(nanokv.engine.offload_costs.py).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from tqdm import tqdm
 from models import HostKVCache
 from models.shapes import shape_config
 from nanokv import LLM
+from nanokv.config import EngineConfig
 from nanokv.engine.offload_costs import PositionCost, best_split, measure_link_and_device
 from nanokv.engine.runner import STAGING_SHARE
 from nanokv.tools.tables import print_table
@@ -76,10 +81,11 @@ def streamed_run(llm: LLM, requests: list) -> dict:
 
 
 def bench_offload(args, save) -> list[dict]:
-    sizing = make_llm(args, MAX_LEN, num_kv_blocks=MAX_LEN)   # only to read the sizes
-    block_size = sizing.config.block_size
+    block_size = args.block_size or EngineConfig.block_size
+    sizing = make_llm(args, MAX_LEN, num_kv_blocks=-(-MAX_LEN // block_size))   # only to read the sizes
     host_block_bytes = HostKVCache.bytes_per_block(sizing.runner.kv_cache) * sizing.config.tensor_parallel_size
-    requests = workload(args.num_requests, seed=0, vocab=sizing.model_config.vocab_size)
+    requests = [(prompt, min(n, args.output_len or n))
+                for prompt, n in workload(args.num_requests, seed=0, vocab=sizing.model_config.vocab_size)]
     concurrent = requests[:sizing.config.max_num_seqs]
     demand = sum(-(-(len(prompt) + n) // block_size) for prompt, n in concurrent)
     pool = max(int(demand * POOL_SHARE), int(-(-MAX_LEN // block_size) / (1 - STAGING_SHARE)) + 1)   # + staging
@@ -107,7 +113,8 @@ def bench_offload(args, save) -> list[dict]:
         del llm   # before the next engine takes its memory
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"\noffload: {args.num_requests} requests (input and output lengths uniform in [100, 1024], EOS "
+    outputs = f"at most {args.output_len}" if args.output_len else "uniform in [100, 1024]"
+    print(f"\noffload: {args.num_requests} requests (input lengths uniform in [100, 1024], output {outputs}, EOS "
           f"ignored); {rows[0]['model']}, {rows[0]['dtype']}, {rows[0]['device']}; pool {pool} blocks of "
           f"{block_size} ({POOL_SHARE:.0%} of the {demand} the first {len(concurrent)} requests hold at once), "
           f"host tier {host_gb:.3f} GB ({HOST_TIMES}x)")

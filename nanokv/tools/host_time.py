@@ -1,7 +1,9 @@
 """bench.py --mode host: the engine's own time per decode step, what a GPU would wait for.
 
 A tiny random model (models/shapes.py, "tiny") makes the forward pass nearly free; its
-measured time is taken out. Every method runs under its default schedule, with prefix
+measured time is taken out. --random-weights SHAPE runs a real shape instead (on a GPU, the
+decodes replayed from CUDA graphs): its step against its forward alone says how much of a
+step the device waits for the host. Every method runs under its default schedule, with prefix
 caching off and on, at each batch size: prompts of --input-len random tokens and
 --output-len new tokens each, all submitted at once. Reported per decode step: the host
 time (every phase but the forward pass) and its parts, and per method the cost of one more
@@ -14,11 +16,13 @@ import random
 from tqdm import tqdm
 
 from nanokv import LLM, SamplingParams
+from nanokv.config import EngineConfig
 from nanokv.engine.timing import PHASES
+from nanokv.tools.flags import engine_options
 from nanokv.tools.method_spec import parse_spec
 from nanokv.tools.throughput import run_context
 
-SHAPE = "tiny"
+DEFAULT_SHAPE = "tiny"
 COLUMNS = ("host", *[p for p in PHASES if p != "forward"], "forward")
 
 
@@ -41,13 +45,15 @@ def host_run(llm: LLM, batch: int, method: str, args) -> dict:
 def bench_host(args, save) -> list[dict]:
     """Every method x caching x batch; prints one table and the slopes, returns the records."""
     rows = []
+    shape = args.random_weights or DEFAULT_SHAPE
     longest = args.input_len + args.output_len
-    blocks = max(args.batches) * -(-longest // 16) + 64
+    block_size = args.block_size or EngineConfig.block_size
+    blocks = max(args.batches) * -(-longest // block_size) + 64
     for caching in (False, True):
-        llm = LLM(f"random:{SHAPE}", dtype="float32", num_kv_blocks=blocks, max_model_len=longest + 1,
-                  max_num_seqs=max(args.batches), max_num_batched_tokens=max(args.batches) * args.input_len,
-                  enable_prefix_caching=caching, num_threads=args.num_threads,
-                  tensor_parallel_size=args.tensor_parallel_size or 1)
+        options = dict(dtype="float32" if shape == DEFAULT_SHAPE else "auto", num_kv_blocks=blocks,
+                       max_model_len=longest + 1, max_num_seqs=max(args.batches),
+                       max_num_batched_tokens=max(args.batches) * args.input_len, enable_prefix_caching=caching)
+        llm = LLM(f"random:{shape}", **{**options, **engine_options(args)})
         context = run_context(args, llm)
         host_run(llm, 4, "full", args)   # warm-up
         runs = [(method, batch) for method in args.methods for batch in args.batches]
@@ -56,7 +62,7 @@ def bench_host(args, save) -> list[dict]:
                              output_len=args.output_len, **host_run(llm, batch, method, args)))
             save(rows[-1])
         llm.close()   # a split engine's ranks end before the next one starts
-    print(f"\nhost time per decode step (ms): random:{SHAPE}, fp32, {rows[0]['device']}; prompts of "
+    print(f"\nhost time per decode step (ms): random:{shape}, {rows[0]['dtype']}, {rows[0]['device']}; prompts of "
           f"{args.input_len} tokens, {args.output_len} new tokens each; |kv| = {args.budgets[0]}, "
           f"p = {args.evict_every} (evicting methods, default schedules)")
     header = ["method", "caching", "batch", *COLUMNS]

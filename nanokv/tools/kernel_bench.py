@@ -1,17 +1,20 @@
 """Kernel benchmark against the device's own limits (CUDA only).
 
-    python -m nanokv.tools.kernel_bench [--quick]
+    python -m nanokv.tools.kernel_bench [--quick] [--out FILE]
 
 Measures, in one run, the ceilings (device-to-device copy bandwidth, a large
 bf16 matmul) and then each kernel as a fraction of the relevant ceiling or
-of torch's SDPA (flash backend) on contiguous tensors. Prints markdown
-tables for docs/PERF.md.
+of torch's SDPA (flash backend) on contiguous tensors. Every case is run once
+before it is timed (compilation stays out), and timed as replays of a CUDA
+graph, as the engine's decode steps run: the device's time, not Python's
+launch overhead. Prints markdown tables for docs/PERF.md; --out appends each
+case as a JSON line.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import subprocess
+import json
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +31,19 @@ from models import AttentionMetadata, KVCache
 from models.loader import load_model
 from models.shapes import shape_config
 from nanokv.engine.cuda_graphs import DecodeGraphs
+from nanokv.tools.provenance import source_commit
 
 
-def ms(fn) -> float:
+def ms(fn, graph: bool = True) -> float:
+    """Median milliseconds of fn, replayed from a CUDA graph captured after one plain call
+    (which compiles the kernels and allocates what fn keeps); graph=False: fn replays one."""
+    fn()
+    torch.cuda.synchronize()
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            fn()
+        fn = captured.replay
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -38,13 +51,13 @@ def copy_bandwidth() -> float:
     """Bytes read + written per second by a large device-to-device copy."""
     src = torch.randn(1 << 28, device="cuda")   # 1 GiB
     dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / (ms(lambda: dst.copy_(src)) * 1e-3)
+    return 2 * src.numel() * 4 / (ms(lambda: dst.copy_(src), graph=False) * 1e-3)
 
 
 def matmul_flops() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192 ** 3 / (ms(lambda: a @ b) * 1e-3)
+    return 2 * 8192 ** 3 / (ms(lambda: a @ b, graph=False) * 1e-3)
 
 
 def paged_kv(batch: int, ctx: int, hkv: int, d: int, block: int, dtype):
@@ -83,26 +96,41 @@ def decode_times(batch: int, ctx: int, int8: bool = False) -> tuple[float, float
     return t, t_sdpa
 
 
-def bench_decode(bw: float, quick: bool) -> list[str]:
+def decode_cases(quick: bool) -> list[tuple[bool, int, int]]:
+    """(int8, batch, context) of the decode table; --quick: what the gpu report's time limit allows."""
+    contexts = (1024, 4096) if quick else (1024, 4096, 16384)
+    bf16 = [(False, b, c) for b in (1, 16, 64, 128) for c in contexts]
+    return bf16 + [(True, b, c) for b in ((16, 64, 128) if quick else (1, 16, 64, 128)) for c in contexts]
+
+
+def bench_decode(bw: float, quick: bool) -> list[dict]:
     """GB/s: the bytes of K and V read (an int8 cache: its values and fp32 scales) over the time."""
-    rows = ["| cache | batch | context | nanokv µs | GB/s | % of copy bw | SDPA flash (bf16) µs | nanokv / SDPA time |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for int8 in (False, True):
-        for batch in (64, 128) if int8 and quick else (1, 16, 64, 128):   # --quick: the gpu report's time limit
-            for ctx in ((1024, 4096) if quick else (1024, 4096, 16384)):
-                t, t_sdpa = decode_times(batch, ctx, int8)
-                torch.cuda.empty_cache()
-                nbytes = 2 * batch * ctx * 8 * (128 + 4 if int8 else 128 * 2)   # K and V (+ scales)
-                rows.append(f"| {'int8' if int8 else 'bf16'} | {batch} | {ctx} | {t * 1e3:.1f} | "
-                            f"{nbytes / t / 1e6:.0f} | {100 * nbytes / (t * 1e-3) / bw:.0f}% | {t_sdpa * 1e3:.1f} | "
-                            f"{t / t_sdpa:.2f} |")
-    return rows
+    records = []
+    for int8, batch, ctx in decode_cases(quick):
+        t, t_sdpa = decode_times(batch, ctx, int8)
+        torch.cuda.empty_cache()
+        nbytes = 2 * batch * ctx * 8 * (128 + 4 if int8 else 128 * 2)   # K and V (+ scales)
+        records.append(dict(kind="decode", cache="int8" if int8 else "bf16", batch=batch, context=ctx,
+                            us=t * 1e3, gb_s=nbytes / t / 1e6, copy_share=nbytes / (t * 1e-3) / bw,
+                            sdpa_us=t_sdpa * 1e3, vs_sdpa=t / t_sdpa))
+    return records
 
 
-def bench_prefill() -> list[str]:
+def decode_table(records: list[dict]) -> list[str]:
+    return ["| cache | batch | context | nanokv µs | GB/s | % of copy bw | SDPA flash (bf16) µs | nanokv / SDPA time |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"] + [
+        f"| {r['cache']} | {r['batch']} | {r['context']} | {r['us']:.1f} | {r['gb_s']:.0f} | {100 * r['copy_share']:.0f}% "
+        f"| {r['sdpa_us']:.1f} | {r['vs_sdpa']:.2f} |" for r in records]
+
+
+PREFILL_CASES = (("64-token chunk over 1k context", 64, 1024), ("64-token chunk over 4k context", 64, 4096),
+                 ("full 4k prefill", 4096, 4096))
+
+
+def bench_prefill() -> list[dict]:
     hq, hkv, d, block, dtype = 32, 8, 128, 16, torch.bfloat16
-    rows = ["| case | nanokv TFLOP/s | SDPA flash TFLOP/s | nanokv / SDPA |", "| --- | --- | --- | --- |"]
-    for name, q_len, ctx in (("64-token chunk over 4k context", 64, 4096), ("full 4k prefill", 4096, 4096)):
+    records = []
+    for name, q_len, ctx in PREFILL_CASES:
         k, v, tables, lens = paged_kv(1, ctx, hkv, d, block, dtype)
         q = torch.randn(q_len, hq, d, device="cuda", dtype=dtype)
         cu = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
@@ -116,31 +144,43 @@ def bench_prefill() -> list[str]:
                                                                enable_gqa=True))
         visible = q_len * ctx - (q_len * (q_len - 1)) // 2   # (query, key) pairs under the causal mask
         flops = 4 * visible * d * hq
-        rows.append(f"| {name} | {flops / t / 1e9:.0f} | {flops / t_sdpa / 1e9:.0f} | {t_sdpa / t:.2f} |")
-    return rows
+        records.append(dict(kind="prefill", case=name, query_len=q_len, context=ctx, us=t * 1e3,
+                            tflops=flops / t / 1e9, sdpa_tflops=flops / t_sdpa / 1e9, vs_sdpa=t_sdpa / t))
+    return records
 
 
-def bench_elementwise(bw: float) -> list[str]:
-    rows = ["| op | shape | µs | % of copy bw |", "| --- | --- | --- | --- |"]
+def prefill_table(records: list[dict]) -> list[str]:
+    return ["| case | nanokv TFLOP/s | SDPA flash TFLOP/s | nanokv / SDPA |", "| --- | --- | --- | --- |"] + [
+        f"| {r['case']} | {r['tflops']:.0f} | {r['sdpa_tflops']:.0f} | {r['vs_sdpa']:.2f} |" for r in records]
+
+
+def bench_elementwise(bw: float) -> list[dict]:
+    """Each op's bytes read and written over its time, against the copy bandwidth."""
     dtype = torch.bfloat16
     x = torch.randn(8192, 4096, device="cuda", dtype=dtype)
     w = torch.randn(4096, device="cuda", dtype=dtype)
-    t = ms(lambda: rms_norm_triton(x, w, 1e-5))
-    rows.append(f"| rms_norm | 8192x4096 | {t * 1e3:.1f} | {100 * 2 * x.numel() * 2 / (t * 1e-3) / bw:.0f}% |")
     gu = torch.randn(8192, 2 * 14336, device="cuda", dtype=dtype)
-    t = ms(lambda: silu_and_mul_triton(gu))
-    rows.append(f"| silu_and_mul | 8192x2x14336 | {t * 1e3:.1f} | {100 * 1.5 * gu.numel() * 2 / (t * 1e-3) / bw:.0f}% |")
     q = torch.randn(8192, 32, 128, device="cuda", dtype=dtype)
     k = torch.randn(8192, 8, 128, device="cuda", dtype=dtype)
     pos = torch.randint(0, 8192, (8192,), device="cuda")
     cos_sin = rope_cos_sin_cache(128, 8192, 500000.0, None).cuda()
-    t = ms(lambda: apply_rope_triton(q, k, pos, cos_sin))
-    nbytes = 2 * (q.numel() + k.numel()) * 2   # read and write q and k in place
-    rows.append(f"| apply_rope | 8192 tokens, 32+8 heads x 128 | {t * 1e3:.1f} | {100 * nbytes / (t * 1e-3) / bw:.0f}% |")
-    return rows
+    cases = [("rms_norm", "8192x4096", lambda: rms_norm_triton(x, w, 1e-5), 2 * x.numel() * 2),
+             ("silu_and_mul", "8192x2x14336", lambda: silu_and_mul_triton(gu), 1.5 * gu.numel() * 2),
+             ("apply_rope", "8192 tokens, 32+8 heads x 128", lambda: apply_rope_triton(q, k, pos, cos_sin),
+              2 * (q.numel() + k.numel()) * 2)]   # rope: q and k read and written in place
+    records = []
+    for op, shape, fn, nbytes in cases:
+        t = ms(fn)
+        records.append(dict(kind="elementwise", op=op, shape=shape, us=t * 1e3, copy_share=nbytes / (t * 1e-3) / bw))
+    return records
 
 
-def bench_decode_step(bw: float) -> list[str]:
+def elementwise_table(records: list[dict]) -> list[str]:
+    return ["| op | shape | µs | % of copy bw |", "| --- | --- | --- | --- |"] + [
+        f"| {r['op']} | {r['shape']} | {r['us']:.1f} | {100 * r['copy_share']:.0f}% |" for r in records]
+
+
+def bench_decode_step(bw: float) -> list[dict]:
     """A Llama-3.1-8B-shaped decode step, batch 64, context 1k, replayed from a CUDA graph."""
     batch, ctx, block, max_len = 64, 1024, 16, 2048
     model = load_model("random:llama-3.1-8b", shape_config("llama-3.1-8b"), torch.bfloat16, torch.device("cuda"),
@@ -161,33 +201,49 @@ def bench_decode_step(bw: float) -> list[str]:
     meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=torch.arange(batch + 1, device="cuda", dtype=torch.int32),
                              context_lens=torch.full(tables.shape[:3], ctx, device="cuda", dtype=torch.int32),
                              page_tables=tables, max_query_len=1, max_context_len=max_len)
-    t = ms(lambda: graphs.run(ids, positions, meta))
+    t = ms(lambda: graphs.run(ids, positions, meta), graph=False)   # the step is a graph already
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     weights -= model.embed_tokens.weight.numel() * 2   # the embedding is gathered, not read whole
     kv = 2 * cfg.num_layers * batch * ctx * cfg.num_kv_heads * cfg.head_dim * 2
     roofline = (weights + kv) / bw * 1e3
-    return ["| step | ms | roofline ms (weights + KV over copy bw) | ratio |", "| --- | --- | --- | --- |",
-            f"| llama-3.1-8b shape, bf16, batch 64, context 1k, CUDA graph | {t:.2f} | {roofline:.2f} | "
-            f"{t / roofline:.2f} |"]
+    return [dict(kind="decode_step", case="llama-3.1-8b shape, bf16, batch 64, context 1k, CUDA graph", ms=t,
+                 roofline_ms=roofline, vs_roofline=t / roofline)]
+
+
+def decode_step_table(records: list[dict]) -> list[str]:
+    return ["| step | ms | roofline ms (weights + KV over copy bw) | ratio |", "| --- | --- | --- | --- |"] + [
+        f"| {r['case']} | {r['ms']:.2f} | {r['roofline_ms']:.2f} | {r['vs_roofline']:.2f} |" for r in records]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="skip the 16k contexts")
+    parser.add_argument("--quick", action="store_true", help="skip the 16k contexts and int8 at batch 1")
+    parser.add_argument("--out", help="append one JSON line per case here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("nanokv.tools.kernel_bench needs a CUDA device")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"device: {torch.cuda.get_device_name()}, date: {datetime.date.today()}, commit: {commit or 'unknown'}, "
-          f"torch {torch.__version__}")
+    context = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                   commit=source_commit(), torch=torch.__version__)
+    print(f"device: {context['device']}, date: {context['date']}, commit: {context['commit'] or 'unknown'}, "
+          f"torch {context['torch']}")
     bw, flops = copy_bandwidth(), matmul_flops()
     print(f"\nceilings: copy {bw / 1e9:.0f} GB/s (read + write), bf16 matmul 8192^3 {flops / 1e12:.0f} TFLOP/s\n")
-    for title, rows in (("decode attention (bf16 queries, bf16 and int8 caches, Hq=32, Hkv=8, D=128, block 16)",
-                         bench_decode(bw, args.quick)),
-                        ("prefill attention (bf16, Hq=32, Hkv=8, D=128, block 16)", bench_prefill()),
-                        ("elementwise", bench_elementwise(bw)),
-                        ("decode step", bench_decode_step(bw))):
-        print(f"### {title}\n" + "\n".join(rows) + "\n", flush=True)
+    sections = [("decode attention (bf16 queries, bf16 and int8 caches, Hq=32, Hkv=8, D=128, block 16)",
+                 lambda: bench_decode(bw, args.quick), decode_table),
+                ("prefill attention (bf16, Hq=32, Hkv=8, D=128, block 16)", bench_prefill, prefill_table),
+                ("elementwise", lambda: bench_elementwise(bw), elementwise_table),
+                ("decode step", lambda: bench_decode_step(bw), decode_step_table)]
+    save([dict(kind="ceilings", copy_gb_s=bw / 1e9, matmul_tflops=flops / 1e12)], context, args.out)
+    for title, bench, table in sections:
+        records = bench()
+        save(records, context, args.out)
+        print(f"### {title}\n" + "\n".join(table(records)) + "\n", flush=True)
+
+
+def save(records: list[dict], context: dict, path: str | None) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.writelines(json.dumps({**context, **r}) + "\n" for r in records)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,12 @@ def print_table(rows: list[dict], columns: list[tuple]) -> None:
 def plot(records: list[dict], path: str) -> None:
     """Two panels against batch size, a line per method (and input length): tokens/s and
     peak KV memory of the static batches that fit; the legend says where each ran out."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        print(f"--plot: matplotlib is not installed, so no {path} (pip install matplotlib draws it; the "
+              "tables above hold the same numbers)")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

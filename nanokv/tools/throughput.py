@@ -7,10 +7,8 @@ import datetime
 import gc
 import itertools
 import random
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
@@ -19,6 +17,7 @@ from tqdm import tqdm
 from nanokv import LLM, SamplingParams
 from nanokv.tools.flags import engine_options
 from nanokv.tools.method_spec import parse_spec
+from nanokv.tools.provenance import source_commit
 from nanokv.tools.tables import (CONTINUOUS_COLUMNS, STATIC_COLUMNS, SWEEP_COLUMNS, WORKLOAD_COLUMNS, method_label,
                                  print_table)
 
@@ -134,17 +133,12 @@ def run_context(args, llm) -> dict:
     name = torch.cuda.get_device_name(llm.device) if llm.device.type == "cuda" else \
         f"cpu, {torch.get_num_threads()} torch threads"
     stats = llm.stats()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        commit = None
-    return dict(device=name, model=f"random:{args.random_weights}" if args.random_weights else
-                (args.model or "bundled SmolLM2-135M"), dtype=str(llm.dtype).removeprefix("torch."),
+    return dict(device=name, model=llm.config.model or "bundled SmolLM2-135M",
+                dtype=str(llm.dtype).removeprefix("torch."),
                 kv_cache_dtype=str(llm.kv_dtype).removeprefix("torch."),
                 kv_pool_gb=stats.total_blocks * stats.block_bytes / 1e9, kv_blocks=stats.total_blocks,
                 block_size=stats.block_size, evict_every=args.evict_every,
-                date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit)
+                date=datetime.datetime.now().isoformat(timespec="seconds"), commit=source_commit())
 
 
 def record(context: dict, mode: str, method: Method, input_len, output_len, run: dict) -> dict:
@@ -153,17 +147,25 @@ def record(context: dict, mode: str, method: Method, input_len, output_len, run:
                 input_len=input_len, output_len=output_len, **run)
 
 
-def largest_batch(fits: Callable[[int], bool], max_batch: int) -> int:
+def largest_batch(fits: Callable[[int], bool], max_batch: int, start: int = 1) -> int:
     """The paper's b0 - 1 (b0: the smallest batch that does not fit), found with few runs:
-    b = 1, 2, 4, ... until one does not fit, then bisection between the last two. 0 if not
-    even one request fits; max_batch if everything up to it fits (b0 is then unknown)."""
-    lo, hi, b = 0, max_batch + 1, 1   # lo fits (0 trivially), hi does not (or is past the search)
+    `start` (a guess), then steps of 1, 2, 4, ... away from it (up while batches fit, down
+    while they do not) until the answer is bracketed, then bisection. 0 if not even one
+    request fits; max_batch if everything up to it fits (b0 is then unknown)."""
+    lo, hi = 0, max_batch + 1   # lo fits (0 trivially), hi does not (or is past the search)
+    b, step = min(max(start, 1), max_batch), 1
     while hi - lo > 1:
         if fits(b):
             lo = b
         else:
             hi = b
-        b = min(2 * b, max_batch) if hi > max_batch else (lo + hi) // 2
+        if hi > max_batch:
+            b = min(lo + step, max_batch)
+        elif lo == 0:
+            b = max(hi - step, 1)
+        else:
+            b = (lo + hi) // 2
+        step *= 2
     return lo
 
 
@@ -171,20 +173,23 @@ def largest_batch(fits: Callable[[int], bool], max_batch: int) -> int:
 
 def static_search(llm, method: Method, args, context: dict, save: Callable[[dict], None]) -> tuple[dict, int]:
     """The largest-batch search for one method: every static batch it ran (by batch size),
-    and the largest that fit."""
+    and the largest that fit. One request first: the pool over its peak KV memory is the
+    guess the search starts from, so a method usually takes three runs (1, the answer, one
+    more), and the answer's run is its timed run."""
     inp, out, vocab = args.input_len, args.output_len, llm.model_config.vocab_size
     runs = {}
 
     def fits(b: int) -> bool:
-        run = measure(llm, same_shape(b, inp, out, method, args.evict_every, vocab), static=True)
-        runs[b] = record(context, "static", method, inp, out, run)
-        save(runs[b])
-        tqdm.write(f"  {method.label:<22} batch {b:>4}: {'fits' if run['fits'] else 'OOM'} ({run['wall_s']:.1f} s)",
-                   file=sys.stderr)
-        return run["fits"]
+        if b not in runs:
+            run = measure(llm, same_shape(b, inp, out, method, args.evict_every, vocab), static=True)
+            runs[b] = record(context, "static", method, inp, out, run)
+            save(runs[b])
+            tqdm.write(f"  {method.label:<22} batch {b:>4}: {'fits' if run['fits'] else 'OOM'} "
+                       f"({run['wall_s']:.1f} s)", file=sys.stderr)
+        return runs[b]["fits"]
 
-    best = largest_batch(fits, args.max_batch)
-    return runs, best
+    guess = int(context["kv_pool_gb"] / runs[1]["peak_kv_gb"]) if fits(1) and runs[1]["peak_kv_gb"] else 1
+    return runs, largest_batch(fits, args.max_batch, start=guess)
 
 
 def bench_paper(args, save: Callable[[dict], None]) -> list[dict]:

@@ -132,6 +132,19 @@ def test_staged_kv_equals_what_was_offloaded(tiny_models):
             torch.testing.assert_close(staged[:recomputed], offloaded[:recomputed], atol=1e-5, rtol=1e-5)
 
 
+def test_the_staging_buffers_are_allocated_once(tiny_models):
+    """Every step decoding from the host gathers into the same host buffers: nothing is
+    allocated (on CUDA, pinned) per step or per layer."""
+    llm = from_host(tiny_models, "qwen3", preemption_mode="swap")
+    for prompt, p in zip(prompts(), params("full")):
+        llm.add_request(prompt, p)
+    host, seen = llm.runner.host_cache, set()
+    while llm.has_unfinished():
+        llm.step()
+        seen.add(tuple(buffer.data_ptr() for half in host._staging for buffer in half))
+    assert llm.stats().blocks_streamed > 0 and len(seen - {()}) == 1
+
+
 def test_the_split_follows_the_cost_of_the_link(tiny_models, monkeypatch):
     """Without partial_recompute, or on a device too slow for recomputing to pay, every block
     is copied and no layer input is kept."""

@@ -9,6 +9,7 @@ import torch
 
 import kernels
 from helpers import VOCAB
+from kernels.attention.decode import MIN_SPLIT
 from nanokv import LLM, SamplingParams
 from nanokv.engine import evict, memory, runner
 from nanokv.engine.cuda_graphs import DecodeGraphs
@@ -154,3 +155,18 @@ def test_eviction_in_small_pieces_keeps_the_same_pairs(tiny_dir, monkeypatch, kv
     assert any(shape[0] > 1 or shape[1] > 1 for size, shape, _ in held if size > 1)   # whole groups at once
     assert all(shape[:2] == (1, 1) for size, shape, _ in held if size == 1)
     assert all(shape[2] == H for _, shape, _ in held)
+
+
+@pytest.mark.parametrize("sms", [108, 132])
+def test_flash_decoding_keeps_every_sm_busy_where_the_context_allows(sms):
+    """split_count: at least two programs per SM, unless the contexts hold fewer splits than
+    that (a split is at least MIN_SPLIT slots); never more splits than the launch's aim
+    needs, nor than the context can fill."""
+    programs = kernels.DECODE_WAVES * 3 * sms
+    for batch in (1, 2, 3, 7, 16, 64, 256):
+        for heads in (1, 2, 8, 32):
+            for context in (1, MIN_SPLIT - 1, MIN_SPLIT, 1000, 1024, 4096, 32768):
+                splits = kernels.split_count(batch, heads, context, programs)
+                most = -(-context // MIN_SPLIT)
+                assert batch * heads * splits >= min(2 * sms, batch * heads * most), (batch, heads, context)
+                assert 1 <= splits <= most and (splits == 1 or batch * heads * (splits - 1) < programs)

@@ -41,6 +41,17 @@ def test_the_link_and_the_device_are_measured():
     assert link > 1e8 and flops > 1e8
 
 
+def test_engines_after_the_first_do_not_measure_again(tiny_models):
+    """Every engine of a process (and the bench's split table) weighs the first measurement."""
+    from nanokv import LLM
+
+    measure_link_and_device.cache_clear()
+    engines = [LLM(str(tiny_models("qwen3")), dtype="float32", max_model_len=112, max_num_seqs=8, num_kv_blocks=16,
+                   kv_offload_gb=0.0008, decode_from_host=True) for _ in range(2)]
+    assert measure_link_and_device.cache_info().misses == 1
+    assert engines[0].runner.link_and_device == engines[1].runner.link_and_device
+
+
 @pytest.mark.parametrize("shape, device_flops, swaps", [
     ("llama-3.1-8b", H100, True),     # 128 kB of K/V a token over PCIe against 15 Gflop
     ("smollm2-135m", H100, False),    # 23 kB against 0.2 Gflop: quicker to prefill again

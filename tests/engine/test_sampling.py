@@ -116,6 +116,33 @@ def test_generate_gives_what_streaming_gives(llm):
         assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
 
 
+@pytest.mark.parametrize("ended_by", ["max_tokens", "stop_token_ids", "max_model_len"])
+def test_a_stop_string_in_the_last_token_finishes_the_request_once_as_stop(llm, ended_by):
+    """The step that reaches max_tokens (or a stop token, or max_model_len) also completes a
+    stop string: the request ends once, by the stop string, its kept positions read before its
+    blocks go back; through generate() and through step() alike."""
+    base = dict(temperature=0, max_tokens=8, ignore_eos=True, kv_method="streamingllm", kv_budget=32, evict_every=16)
+    for first in range(40, 80):   # a prompt whose 8th token's text first appears at the end
+        prompt = [first] * 4 + ([7] * 244 if ended_by == "max_model_len" else [])   # 248 + 8: max_model_len
+        plain = llm.generate(prompt, SamplingParams(**base))[0]
+        stop = plain.text[-1:]
+        if stop and plain.text.find(stop) == len(plain.text) - 1 and plain.token_ids[-1] < 256:
+            break
+    ends = dict(max_tokens={}, stop_token_ids=dict(max_tokens=50, stop_token_ids=[plain.token_ids[-1]]),
+                max_model_len=dict(max_tokens=50))[ended_by]
+    for kept in (False, True):
+        params = SamplingParams(**{**base, **ends, "stop": [stop], "return_kept_positions": kept})
+        rid = llm.add_request(prompt, params)
+        streamed = {}
+        while llm.has_unfinished():
+            streamed.update({o.request_id: o for o in llm.step()})
+        for out in (llm.generate(prompt, params)[0], streamed[rid]):
+            assert (out.finish_reason, out.error, out.text) == ("stop", None, plain.text[:-1]), ended_by
+            assert out.token_ids == plain.token_ids
+            assert (out.kept_positions is not None) == kept
+    assert llm.blocks.num_free == llm.blocks.num_blocks
+
+
 def test_timing_records_every_phase_of_the_steps_inside(llm):
     assert llm.stats().timings is None
     with llm.timing() as timings:

@@ -6,6 +6,7 @@ import pytest
 from helpers import VOCAB
 from nanokv import LLM, SamplingParams
 from nanokv.engine.memory import profile_lengths
+from nanokv.engine.scheduler import ScheduledBatch
 
 
 def random_requests(n: int, seed: int):
@@ -88,3 +89,15 @@ def test_cuda_pool_is_sized_from_free_memory(tiny_dir):
     assert llm.blocks.num_blocks * 16 >= 160 and pool_bytes <= 0.5 * total
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_a_step_never_saves_a_block_it_fills_first():
+    """The runner saves to the host tier before it loads or copies into the pool: a block that
+    a load or copy of the step fills cannot be saved in the same step (its save would read the
+    block's old contents)."""
+    batch = ScheduledBatch(loads=[(3, 5)], copies=[(8, 9)])
+    batch.save([(4, 0), (6, 1)])   # blocks emptied by a preemption, filled by nothing this step
+    for filled in (5, 9):
+        with pytest.raises(AssertionError, match="saves a block it fills first"):
+            batch.save([(filled, 2)])
+    assert batch.saves == [(4, 0), (6, 1)]

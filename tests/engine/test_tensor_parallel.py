@@ -89,6 +89,22 @@ def test_kvcompress_keeps_more_blocks_where_one_rank_s_heads_keep_more(tiny_dir,
     assert len(one) == len(two) and all(a >= b for a, b in pairs) and any(a > b for a, b in pairs)
 
 
+def test_uneven_eviction_swapping_under_tensor_parallelism_preempts_as_one_rank_does(tiny_dir, split):
+    """A kvcompress sequence swapped back in whose first step needs more room under tensor
+    parallelism (its ranks' allowance) is admitted only when the pool has that room, and a
+    sequence preempted in a step waits for the next: no swap-out, swap-in cycles."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (40, 70, 55, 60, 33, 61)]
+    params = [SamplingParams(temperature=0, max_tokens=45 + 3 * i, ignore_eos=True,
+                             **(dict(kv_method="kvcompress", kv_budget=32, evict_every=16) if i % 2 else {}))
+              for i in range(6)]
+    options = dict(num_kv_blocks=12, kv_offload_gb=0.002, preemption_mode="swap")
+    one, two = engine(tiny_dir, **options), split(tiny_dir, 2, **options)
+    assert_same(two.generate(prompts, params), one.generate(prompts, params))
+    assert 0 < one.stats().preemptions <= two.stats().preemptions <= one.stats().preemptions + 2
+    assert two.stats().swaps == two.stats().preemptions
+
+
 @pytest.mark.parametrize("family, kv_cache_dtype", [("llama3", "auto"), ("mistral", "int8"), ("qwen2", "auto"),
                                                     ("qwen3", "fp8")])
 def test_every_family_splits(tiny_models, split, family, kv_cache_dtype):

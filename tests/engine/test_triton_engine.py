@@ -51,10 +51,10 @@ def test_triton_engine_matches_reference_engine(tmp_path, backend, family):
 def test_cuda_graphs_match_eager_and_reference(tmp_path, backend):
     make_tiny_model(tmp_path, "llama3")
     prompts = mixed_prompts(11, seed=4)
-    reference, eager = generate_both(tmp_path, backend, prompts, device="cuda", enforce_eager=True)
+    reference, eager = generate_both(tmp_path, backend, prompts, enforce_eager=True)
     assert eager == reference
     backend("triton")
-    llm = LLM(str(tmp_path), dtype="float32", device="cuda", num_kv_blocks=96, max_model_len=160,
+    llm = LLM(str(tmp_path), dtype="float32", device=KERNEL_DEVICE, num_kv_blocks=96, max_model_len=160,
               max_num_batched_tokens=48)
     assert llm.runner.graphs is not None
     graphed = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
@@ -66,8 +66,7 @@ def test_cuda_graphs_match_eager_and_reference(tmp_path, backend):
 def test_bf16_triton_engine_agrees_with_reference(tmp_path, backend):
     """bf16 rounding differs between the paths, so compare next-token agreement, not equality."""
     make_tiny_model(tmp_path, "qwen2")
-    reference, triton = generate_both(tmp_path, backend, mixed_prompts(8, seed=5), device="cuda",
-                                      dtype="bfloat16")
+    reference, triton = generate_both(tmp_path, backend, mixed_prompts(8, seed=5), dtype="bfloat16")
     first = [r[0] == t[0] for r, t in zip(reference, triton)]
     assert sum(first) >= 7
 
@@ -82,7 +81,7 @@ def test_evicting_requests_in_cuda_graphs_match_eager(tmp_path, backend):
                             kv_budget=32, evict_every=16, return_kept_positions=True)
     runs = []
     for eager in (True, False):
-        llm = LLM(str(tmp_path), dtype="float32", device="cuda", num_kv_blocks=96, max_model_len=160,
+        llm = LLM(str(tmp_path), dtype="float32", device=KERNEL_DEVICE, num_kv_blocks=96, max_model_len=160,
                   enforce_eager=eager)
         runs.append(llm.generate(prompts, params))
     for a, b in zip(*runs):
@@ -96,7 +95,7 @@ def test_a_mixed_step_puts_its_decodes_first(tmp_path):
     from nanokv.engine.sequence import Sequence
 
     make_tiny_model(tmp_path, "llama")
-    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=32, max_model_len=160)
+    llm = LLM(str(tmp_path), dtype="float32", device=KERNEL_DEVICE, num_kv_blocks=32, max_model_len=160)
     tables = llm.scheduler.block_tables
     chunk = Sequence(0, list(range(40)), SamplingParams(), block_table=tables.new([0, 1, 2]))
     decode = Sequence(1, [5, 6, 7], SamplingParams(), output_token_ids=[9], block_table=tables.new([3]),
@@ -108,7 +107,7 @@ def test_a_mixed_step_puts_its_decodes_first(tmp_path):
     assert step.meta.context_lens.shape == (L, 2, H)
     assert (step.meta.context_lens[:, 0] == 4).all() and (step.meta.context_lens[:, 1] == 40).all()
     blocks = step.meta.page_tables.div(H, rounding_mode="floor") % 32   # each head's pages are its blocks'
-    assert (blocks[:, 0, :, :1] == 3).all() and (blocks[:, 1] == torch.tensor([0, 1, 2])).all()
+    assert (blocks[:, 0, :, :1] == 3).all() and (blocks[:, 1] == torch.tensor([0, 1, 2], device=blocks.device)).all()
     assert step.input_ids[0].item() == 9 and step.positions[:2].tolist() == [3, 0]
     assert step.sample_rows == [0, 40] and step.sampled_seqs == [decode, chunk]
 

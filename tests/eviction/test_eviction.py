@@ -5,6 +5,8 @@ import torch
 import kernels
 from helpers import VOCAB
 from nanokv import LLM, SamplingParams
+from nanokv.config import EngineConfig
+from nanokv.eviction.settings import method_for
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,33 @@ def test_engine_defaults_apply_and_requests_override(llm):
                                                 return_kept_positions=True))[0]
     assert out.kept_positions.shape[-1] == 1     # Algorithm 2: the most recent of 100 + 4 - 1 fed tokens
     assert (out.kept_positions == 102).all()
+
+
+@pytest.mark.parametrize("engine", [dict(kv_method="h2o", kv_budget=64, evict_every=16, kv_schedule="prefill"),
+                                    dict(kv_method="h2o", kv_budget=64, evict_every=16, kv_sinks=4, kv_recent=8),
+                                    dict(kv_method="snapkv", kv_budget=64, evict_every=16, kv_window=8, kv_pool=3),
+                                    dict(kv_method="kvcompress", kv_budget=64, evict_every=16, kv_score_all=True)])
+def test_a_request_naming_its_method_takes_only_the_engine_settings_that_mean_something_to_it(engine):
+    """A request may opt out of the engine's method (full), or pick another: it inherits only
+    what applies to its own method; what it gives itself is still checked."""
+    defaults = EngineConfig(**engine)
+    assert method_for(SamplingParams(kv_method="full"), defaults, 16).name == "full"
+    ed = method_for(SamplingParams(kv_method="ed"), defaults, 16)
+    assert (ed.name, ed.schedule.budget) == ("ed", 64)                         # the engine's budget applies
+    h2o = method_for(SamplingParams(kv_method="h2o"), defaults, 16)
+    assert h2o.ranking.name == "h2o" and h2o.sinks == engine.get("kv_sinks", 0)   # sinks mean something to h2o
+    assert type(method_for(SamplingParams(kv_method="decode_only"), defaults, 16).schedule).__name__ == "Decode"
+    inherited = method_for(SamplingParams(), defaults, 16)                     # no method named: all of the engine's
+    assert inherited.name == engine["kv_method"]
+    with pytest.raises(ValueError, match="kv_method full never evicts: kv_schedule must be None"):
+        method_for(SamplingParams(kv_method="full", kv_schedule="prefill"), defaults, 16)
+
+
+def test_a_full_cache_request_on_an_evicting_engine(tiny_dir):
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=128, num_kv_blocks=32, kv_method="h2o", kv_budget=64,
+              evict_every=16, kv_schedule="prefill")
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2, kv_method="full"))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
 
 
 def test_a_budget_alone_asks_for_the_default_evicting_method(tiny_dir):

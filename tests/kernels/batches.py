@@ -18,34 +18,35 @@ def make_cache(num_pages, block_size, head_dim, dtype, device):
     return (torch.randn(shape, device=device).to(dtype), torch.randn(shape, device=device).to(dtype))
 
 
-def ragged(lens, num_kv_heads, fewest):
+def ragged(lens, num_kv_heads, fewest, device):
     """Context lengths [B, Hkv] int32: head 0 of sequence b holds lens[b] slots, every other
     head a random number from fewest[b] to lens[b], as after per-head eviction."""
     return torch.tensor([[n] + torch.randint(f, n + 1, (num_kv_heads - 1,)).tolist() for n, f in zip(lens, fewest)],
-                        dtype=torch.int32)
+                        dtype=torch.int32, device=device)
 
 
-def scattered_tables(context_lens, block_size, num_pages, width, device="cpu"):
-    """Page tables [B, Hkv, width] for context_lens [B, Hkv], whose page ids are a random
-    permutation of the pool: non-contiguous, and never shared. Unused entries are 0, as
-    the runner pads them."""
-    needed = (context_lens.cpu() + block_size - 1) // block_size
+def scattered_tables(context_lens, block_size, num_pages, width):
+    """Page tables [B, Hkv, width] for context_lens [B, Hkv] (on its device), whose page ids are
+    a random permutation of the pool: non-contiguous, and never shared. Unused entries are 0,
+    as the runner pads them."""
+    device = context_lens.device
+    needed = (context_lens + block_size - 1) // block_size
     assert int(needed.sum()) <= num_pages and int(needed.max()) <= width
-    used = torch.arange(width) < needed[..., None]
-    tables = torch.zeros(used.shape, dtype=torch.int32)
-    tables[used] = torch.randperm(num_pages, dtype=torch.int32)[:int(needed.sum())]
-    return tables.to(device)
+    used = torch.arange(width, device=device) < needed[..., None]
+    tables = torch.zeros(used.shape, dtype=torch.int32, device=device)
+    tables[used] = torch.randperm(num_pages, dtype=torch.int32, device=device)[:int(needed.sum())]
+    return tables
 
 
 def varlen_batch(chunks, num_kv_heads, group, head_dim, dtype, device):
     """chunks: (prior context, q_len) per sequence -> q, cu_seqlens_q, context_lens [B, Hkv]
     (ragged: head 0 holds prior + q_len slots, the other heads q_len and part of the prior)."""
-    q_lens = torch.tensor([n for _, n in chunks], dtype=torch.int32)
-    cu_seqlens_q = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+    q_lens = torch.tensor([n for _, n in chunks], dtype=torch.int32, device=device)
+    cu_seqlens_q = torch.zeros(len(chunks) + 1, dtype=torch.int32, device=device)
     cu_seqlens_q[1:] = q_lens.cumsum(0)
-    context_lens = ragged([p + n for p, n in chunks], num_kv_heads, q_lens.tolist())
+    context_lens = ragged([p + n for p, n in chunks], num_kv_heads, q_lens.tolist(), device)
     q = torch.randn(int(cu_seqlens_q[-1]), num_kv_heads * group, head_dim, device=device).to(dtype)
-    return q, cu_seqlens_q.to(device), context_lens.to(device)
+    return q, cu_seqlens_q, context_lens
 
 
 def mixed_chunks(block_size):

@@ -92,9 +92,9 @@ def test_reference_matches_dense():
     """The oracle itself: a mixed batch with ragged heads, against the float64 walk."""
     block_size, Hkv, G, D = 16, 3, 2, 32
     chunks = mixed_chunks(block_size)
-    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv, G, D, torch.float32, "cpu")
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv, G, D, torch.float32, KERNEL_DEVICE)
     width = -(-int(context_lens.max()) // block_size)
-    k_cache, v_cache = make_cache(len(chunks) * Hkv * width, block_size, D, torch.float32, "cpu")
+    k_cache, v_cache = make_cache(len(chunks) * Hkv * width, block_size, D, torch.float32, KERNEL_DEVICE)
     tables = scattered_tables(context_lens, block_size, len(k_cache), width)
     out, lse = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.2, return_lse=True)
     dense_out, dense_lse, _ = dense_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.2)
@@ -108,7 +108,7 @@ def check_mixed_batch(dtype, G, head_dim, block_size, num_kv_heads, device, chun
     width = -(-int(context_lens.max()) // block_size) + 2
     num_pages = len(chunks) * num_kv_heads * width
     k_cache, v_cache = make_cache(num_pages, block_size, head_dim, dtype, device)
-    tables = scattered_tables(context_lens, block_size, num_pages, width, device=device)
+    tables = scattered_tables(context_lens, block_size, num_pages, width)
     scale = head_dim ** -0.5
     max_query_len = max(n for _, n in chunks)
     out, lse = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
@@ -141,7 +141,7 @@ def test_decode_rows_only(G):
     q, cu_seqlens_q, context_lens = varlen_batch([(n - 1, 1) for n in (1, 15, 16, 17, 90)],
                                                  2, G, 64, torch.float32, KERNEL_DEVICE)
     k_cache, v_cache = make_cache(60, block_size, 64, torch.float32, KERNEL_DEVICE)
-    tables = scattered_tables(context_lens, block_size, 60, 8, device=KERNEL_DEVICE)
+    tables = scattered_tables(context_lens, block_size, 60, 8)
     out, lse = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
                                       return_lse=True)
     ref_out, ref_lse = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
@@ -160,13 +160,13 @@ def decode_batch(lens, num_kv_heads, G, head_dim, block_size, dtype, device, spa
     """Decode inputs for head-0 context lengths `lens` (0: a CUDA-graph padding row, every
     head empty; others ragged): q, k_cache, v_cache, tables, context_lens [B, Hkv].
     full: every head holds lens[b] slots, so that the tables fit any shorter lengths."""
-    context_lens = ragged(lens, num_kv_heads, lens if full else [min(n, 1) for n in lens])
+    context_lens = ragged(lens, num_kv_heads, lens if full else [min(n, 1) for n in lens], device)
     width = -(-max(lens) // block_size) + 1
     num_pages = len(lens) * num_kv_heads * width + spare      # some pages stay unused
     k_cache, v_cache = make_cache(num_pages, block_size, head_dim, dtype, device)
-    tables = scattered_tables(context_lens, block_size, num_pages, width, device=device)
+    tables = scattered_tables(context_lens, block_size, num_pages, width)
     q = torch.randn(len(lens), num_kv_heads * G, head_dim, device=device).to(dtype)
-    return q, k_cache, v_cache, tables, context_lens.to(device)
+    return q, k_cache, v_cache, tables, context_lens
 
 
 def check_decode(dtype, G, head_dim, block_size, num_kv_heads, num_splits, device, lens=None):
@@ -273,7 +273,7 @@ def test_decode_workspace_reuse():
     logits = logits_scratch(len(k_cache), G, block_size, KERNEL_DEVICE)
     cu_seqlens_q = torch.arange(4, dtype=torch.int32, device=KERNEL_DEVICE)
     for lens in ([100, 0, 3], [7, 128, 64]):
-        context_lens = ragged(lens, Hkv, [min(n, 1) for n in lens]).to(KERNEL_DEVICE)
+        context_lens = ragged(lens, Hkv, [min(n, 1) for n in lens], KERNEL_DEVICE)
         scores = torch.zeros(k_cache.shape[:2], device=KERNEL_DEVICE)
         out = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, num_splits,
                                             score_cache=scores, logits=logits, workspace=workspace)
@@ -293,17 +293,17 @@ def test_decode_splits_follow_each_context():
     G, D, block_size, num_splits = 2, 16, 16, 8
     width = 1024   # a 16k-slot table
     lens = [0, 100, MIN_SPLIT, MIN_SPLIT + 1, 3 * MIN_SPLIT, 8 * MIN_SPLIT + 5]
-    context_lens = torch.tensor([lens, lens[::-1]], dtype=torch.int32).T.contiguous()   # two heads, unlike
+    context_lens = torch.tensor([lens, lens[::-1]], dtype=torch.int32,   # two heads, unlike
+                                device=KERNEL_DEVICE).T.contiguous()
     num_pages = int(((context_lens + block_size - 1) // block_size).sum()) + 1
     k_cache, v_cache = make_cache(num_pages, block_size, D, torch.float16, KERNEL_DEVICE)
-    tables = scattered_tables(context_lens, block_size, num_pages, width, device=KERNEL_DEVICE)
-    context_lens = context_lens.to(KERNEL_DEVICE)
+    tables = scattered_tables(context_lens, block_size, num_pages, width)
     q = torch.randn(len(lens), 2 * G, D, device=KERNEL_DEVICE).half()
     workspace = decode_workspace(len(lens) * 2 * G * num_splits, D, KERNEL_DEVICE)
     out = paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.25, num_splits,
                                         workspace=workspace)
-    ref = paged_attention_ref(q, k_cache, v_cache, tables, torch.arange(len(lens) + 1, dtype=torch.int32),
-                              context_lens, 0.25)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables,
+                              torch.arange(len(lens) + 1, dtype=torch.int32, device=KERNEL_DEVICE), context_lens, 0.25)
     # Rows 0 and 5 each have a head with no keys: compare the other head.
     assert_close(out[1:, :G], ref[1:, :G], TOL[torch.float16][0], "out")
     assert_close(out[:-1, G:], ref[:-1, G:], TOL[torch.float16][0], "out")
@@ -324,7 +324,7 @@ def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
     width = 6
     num_pages = len(chunks) * Hkv * width
     k_cache, v_cache = make_cache(num_pages, block_size, D, torch.float32, KERNEL_DEVICE)
-    tables = scattered_tables(context_lens, block_size, num_pages, width, device=KERNEL_DEVICE)
+    tables = scattered_tables(context_lens, block_size, num_pages, width)
     square = mixed_squares(len(chunks), KERNEL_DEVICE)
     skip = skip_inputs(len(chunks), len(q), k_cache.shape[:2], KERNEL_DEVICE)
     launched = []
@@ -361,7 +361,7 @@ def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
 @pytest.mark.parametrize("G,head_dim,block_size", [(1, 128, 16), (3, 64, 16), (4, 128, 32), (8, 128, 256)])
 def test_mixed_batch_gpu(dtype, G, head_dim, block_size):
     chunks = mixed_chunks(block_size) + [(1000, 300), (0, 513), (2047, 1)]
-    check_mixed_batch(dtype, G, head_dim, block_size, num_kv_heads=4, device="cuda", chunks=chunks)
+    check_mixed_batch(dtype, G, head_dim, block_size, num_kv_heads=4, device=KERNEL_DEVICE, chunks=chunks)
 
 
 @pytest.mark.gpu
@@ -369,7 +369,8 @@ def test_mixed_batch_gpu(dtype, G, head_dim, block_size):
 @pytest.mark.parametrize("G,head_dim,block_size,num_splits", [(3, 64, 16, 16), (4, 128, 32, 7), (8, 128, 256, 32)])
 def test_decode_gpu(dtype, G, head_dim, block_size, num_splits):
     lens = [0, 1, block_size - 1, block_size, block_size + 1, 700, 4000, 0]
-    check_decode(dtype, G, head_dim, block_size, num_kv_heads=4, num_splits=num_splits, device="cuda", lens=lens)
+    check_decode(dtype, G, head_dim, block_size, num_kv_heads=4, num_splits=num_splits, device=KERNEL_DEVICE,
+                 lens=lens)
 
 
 @pytest.mark.gpu
@@ -377,12 +378,12 @@ def test_decode_cuda_graph_replay():
     """Captured once, replayed with other (ragged) context lengths: the static grid at work."""
     Hkv, G, D, block_size, num_splits, width = 4, 3, 64, 16, 8, 64
     q, k_cache, v_cache, tables, context_lens = decode_batch([width * block_size] * 4, Hkv, G, D, block_size,
-                                                             torch.bfloat16, "cuda", full=True)
+                                                             torch.bfloat16, KERNEL_DEVICE, full=True)
     context_lens.fill_(1)
-    scores = torch.zeros(k_cache.shape[:2], device="cuda")
-    square = mixed_squares(4, "cuda")
-    workspace = decode_workspace(4 * Hkv * G * num_splits, D, device="cuda")
-    logits = logits_scratch(len(k_cache), G, block_size, "cuda")
+    scores = torch.zeros(k_cache.shape[:2], device=KERNEL_DEVICE)
+    square = mixed_squares(4, KERNEL_DEVICE)
+    workspace = decode_workspace(4 * Hkv * G * num_splits, D, device=KERNEL_DEVICE)
+    logits = logits_scratch(len(k_cache), G, block_size, KERNEL_DEVICE)
 
     def run():
         return paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, num_splits,
@@ -393,9 +394,9 @@ def test_decode_cuda_graph_replay():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
-    cu_seqlens_q = torch.arange(5, dtype=torch.int32, device="cuda")
+    cu_seqlens_q = torch.arange(5, dtype=torch.int32, device=KERNEL_DEVICE)
     for lens in ([1000, 0, 17, 64], [3, 1024, 512, 999]):
-        context_lens.copy_(ragged(lens, Hkv, [min(n, 1) for n in lens]))
+        context_lens.copy_(ragged(lens, Hkv, [min(n, 1) for n in lens], KERNEL_DEVICE))
         scores.zero_()
         graph.replay()
         ref = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125)

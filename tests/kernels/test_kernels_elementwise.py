@@ -122,7 +122,7 @@ def check_store_kv(T, block_size, Hkv, D, dtype, device, store=store_kv_triton, 
               torch.full((num_pages, block_size), float("nan"), dtype=torch.float32, device=device)]
     flat = [c.clone() for c in caches]
     written = slot_mapping >= 0
-    for cache, value in zip(flat, (k, v, positions[:, None].expand(T, Hkv), torch.zeros(T, Hkv))):
+    for cache, value in zip(flat, (k, v, positions[:, None].expand(T, Hkv), torch.zeros(T, Hkv, device=device))):
         rows = value[written].view(int(written.sum()), -1)
         cache.view(num_pages * block_size, -1)[slot_mapping[written]] = rows.to(cache.dtype)
     expected = [c.clone() for c in caches]
@@ -179,24 +179,25 @@ def test_store_kv_cpu_backend(case, dtype, padding):
 
 
 def test_bad_inputs_are_refused():
-    x = torch.randn(4, 64)
-    with pytest.raises(ValueError, match="contiguous last dim"):
-        rms_norm_triton(x.t(), torch.ones(4), 1e-6)
-    with pytest.raises(ValueError, match="residual"):
-        add_rms_norm_triton(x, torch.randn(4, 64).t().contiguous().t(), torch.ones(64), 1e-6)
-    with pytest.raises(ValueError, match="even"):
-        silu_and_mul_triton(torch.randn(2, 7))
+    with torch.device(KERNEL_DEVICE):
+        x = torch.randn(4, 64)
+        with pytest.raises(ValueError, match="contiguous last dim"):
+            rms_norm_triton(x.t(), torch.ones(4), 1e-6)
+        with pytest.raises(ValueError, match="residual"):
+            add_rms_norm_triton(x, torch.randn(4, 64).t().contiguous().t(), torch.ones(64), 1e-6)
+        with pytest.raises(ValueError, match="even"):
+            silu_and_mul_triton(torch.randn(2, 7))
 
 
 @pytest.mark.gpu
 def test_all_on_gpu_in_bf16():
     for shape in RMS_SHAPES:
-        check_rms_norm(shape, torch.bfloat16, "cuda")
+        check_rms_norm(shape, torch.bfloat16, KERNEL_DEVICE)
     for shape in RMS_SHAPES[:2]:
-        check_add_rms_norm(shape, torch.bfloat16, "cuda")
+        check_add_rms_norm(shape, torch.bfloat16, KERNEL_DEVICE)
     for case in ROPE_CASES:
-        check_rope(*case, torch.bfloat16, "cuda")
+        check_rope(*case, torch.bfloat16, KERNEL_DEVICE)
     for shape in SILU_SHAPES:
-        check_silu_and_mul(shape, torch.bfloat16, "cuda")
+        check_silu_and_mul(shape, torch.bfloat16, KERNEL_DEVICE)
     for case in KV_CASES:
-        check_store_kv(*case, torch.bfloat16, "cuda")
+        check_store_kv(*case, torch.bfloat16, KERNEL_DEVICE)

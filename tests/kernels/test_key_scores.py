@@ -4,6 +4,7 @@ The dense oracle is written out here, independent of the code under test: it
 builds each sequence's keys by walking its block table slot by slot, then
 takes a causal softmax in float64.
 """
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -25,36 +26,30 @@ class Batch:
     context_lens: torch.Tensor   # [B, Hkv] int32, ragged across heads
     scale: float
 
-    def to(self, device):
-        return Batch(*(getattr(self, f).to(device) for f in
-                       ("q", "k_cache", "score_cache", "page_tables", "cu_seqlens_q", "context_lens")),
-                     self.scale)
 
-
-def make_batch(seqs, num_kv_heads, group, head_dim, block_size, dtype) -> Batch:
-    """Random inputs for sequences [(context_len, q_len), ...].
+def make_batch(seqs, num_kv_heads, group, head_dim, block_size, dtype, device=KERNEL_DEVICE) -> Batch:
+    """Random inputs for sequences [(context_len, q_len), ...], on device.
 
     Head 0 of a sequence holds context_len slots; every other head a random number
     between q_len and context_len (ragged heads, as after per-head eviction). Pages are
     a random permutation of a pool with spare pages that no head owns.
     """
     lens = torch.tensor([[c] + torch.randint(q, c + 1, (num_kv_heads - 1,)).tolist() for c, q in seqs],
-                        dtype=torch.int32)
+                        dtype=torch.int32, device=device)
     pages_needed = (lens + block_size - 1) // block_size
     num_pages = int(pages_needed.sum()) + 3
     pool = torch.randperm(num_pages, dtype=torch.int32).tolist()
-    tables = torch.full((len(seqs), num_kv_heads, int(pages_needed.max())), -1, dtype=torch.int32)
-    for (b, h), n in zip(torch.cartesian_prod(torch.arange(len(seqs)), torch.arange(num_kv_heads)).tolist(),
-                         pages_needed.flatten().tolist()):
-        tables[b, h, :n] = torch.tensor([pool.pop() for _ in range(n)], dtype=torch.int32)
-    q_lens = torch.tensor([q_len for _, q_len in seqs])
+    tables = torch.full((len(seqs), num_kv_heads, int(pages_needed.max())), -1, dtype=torch.int32, device=device)
+    for (b, h), n in zip(itertools.product(range(len(seqs)), range(num_kv_heads)), pages_needed.flatten().tolist()):
+        tables[b, h, :n] = torch.tensor([pool.pop() for _ in range(n)], dtype=torch.int32, device=device)
+    q_lens = torch.tensor([q_len for _, q_len in seqs], device=device)
     return Batch(
         # Larger than unit logits, so the softmax is far from uniform.
-        q=(3 * torch.randn(int(q_lens.sum()), num_kv_heads * group, head_dim)).to(dtype),
-        k_cache=torch.randn(num_pages, block_size, head_dim).to(dtype),
-        score_cache=torch.rand(num_pages, block_size) + 0.5,
+        q=(3 * torch.randn(int(q_lens.sum()), num_kv_heads * group, head_dim, device=device)).to(dtype),
+        k_cache=torch.randn(num_pages, block_size, head_dim, device=device).to(dtype),
+        score_cache=torch.rand(num_pages, block_size, device=device) + 0.5,
         page_tables=tables,
-        cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()]),
+        cu_seqlens_q=torch.cat([torch.zeros(1, dtype=torch.int32, device=device), q_lens.cumsum(0).int()]),
         context_lens=lens,
         scale=head_dim ** -0.5,
     )
@@ -67,12 +62,14 @@ def dense_logits(batch: Batch, b: int, h: int):
     Hkv, block_size = batch.page_tables.shape[1], batch.k_cache.shape[1]
     start, end = int(batch.cu_seqlens_q[b]), int(batch.cu_seqlens_q[b + 1])
     n, context_len = end - start, int(batch.context_lens[b, h])
-    pages = torch.tensor([int(batch.page_tables[b, h, s // block_size]) for s in range(context_len)])
-    offsets = torch.arange(context_len) % block_size
+    device = batch.q.device
+    pages = torch.tensor([int(batch.page_tables[b, h, s // block_size]) for s in range(context_len)], device=device)
+    offsets = torch.arange(context_len, device=device) % block_size
     k = torch.stack([batch.k_cache[pages[s], offsets[s]] for s in range(context_len)]).double()   # [L, D]
     q = batch.q[start:end].double().unflatten(1, (Hkv, -1))[:, h]                                  # [n, G, D]
     logits = torch.einsum("ngd,ld->gnl", q, k) * batch.scale
-    visible = torch.arange(context_len)[None, :] <= (context_len - n + torch.arange(n))[:, None]
+    visible = (torch.arange(context_len, device=device)[None, :]
+               <= (context_len - n + torch.arange(n, device=device))[:, None])
     return logits.masked_fill(~visible, float("-inf")), pages, offsets
 
 
@@ -83,7 +80,7 @@ def by_kv_head(lse: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def mixed_squares(batch: Batch) -> torch.Tensor:
     """square_scores [B] with both kinds of sequence: every other one squares."""
-    return torch.arange(len(batch.context_lens)) % 2 == 1
+    return torch.arange(len(batch.context_lens), device=batch.q.device) % 2 == 1
 
 
 def dense_expectation(batch: Batch, score_from=None, square_scores=None, skip=None):
@@ -91,7 +88,7 @@ def dense_expectation(batch: Batch, score_from=None, square_scores=None, skip=No
     skip: skip_inputs()'s (score_skip, positions, pos_cache), KVC-full's pairs far enough apart."""
     expected = batch.score_cache.double().clone()
     touched = torch.zeros_like(batch.score_cache, dtype=torch.bool)
-    lse = torch.empty(batch.q.shape[:2])
+    lse = torch.empty(batch.q.shape[:2], device=batch.q.device)
     Hkv = batch.page_tables.shape[1]
     for b in range(len(batch.context_lens)):
         start, end = int(batch.cu_seqlens_q[b]), int(batch.cu_seqlens_q[b + 1])
@@ -113,7 +110,7 @@ def dense_expectation(batch: Batch, score_from=None, square_scores=None, skip=No
 
 def assert_scores(batch: Batch, initial: torch.Tensor, expected: torch.Tensor, touched: torch.Tensor,
                   tol: float = 1e-5):
-    result = batch.score_cache.cpu()
+    result = batch.score_cache
     assert torch.equal(result[~touched], initial[~touched]), "a slot outside every counted context changed"
     torch.testing.assert_close(result.double(), expected, rtol=tol, atol=tol)
 
@@ -163,10 +160,9 @@ def test_attention_lse_gives_probabilities_summing_to_one():
         for h in range(Hkv):
             logits, pages, offsets = dense_logits(batch, b, h)
             probs = torch.exp(logits - by_kv_head(lse[start:end].double(), Hkv)[h][..., None])
-            torch.testing.assert_close(probs.sum(dim=-1), torch.ones(probs.shape[:-1], dtype=torch.float64),
-                                       rtol=0, atol=1e-5)
-            torch.testing.assert_close(gained[pages, offsets].sum(), torch.tensor(float(probs[..., 0].numel()),
-                                       dtype=torch.float64), rtol=1e-5, atol=0)
+            torch.testing.assert_close(probs.sum(dim=-1), torch.ones_like(probs[..., 0]), rtol=0, atol=1e-5)
+            torch.testing.assert_close(gained[pages, offsets].sum().item(), float(probs[..., 0].numel()),
+                                       rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
@@ -179,11 +175,10 @@ def test_triton_matches_dense(case, dtype):
     expected, touched, lse = dense_expectation(batch, square_scores=square)
     initial = batch.score_cache.clone()
     seqs = CASES[case]["seqs"]
-    batch = batch.to(KERNEL_DEVICE)
     accumulate_key_scores_triton(batch.q, batch.k_cache, batch.score_cache, batch.page_tables,
-                                 batch.cu_seqlens_q, batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale,
+                                 batch.cu_seqlens_q, batch.context_lens, lse, batch.scale,
                                  max_query_len=max(q for _, q in seqs), max_context_len=max(c for c, _ in seqs),
-                                 square_scores=square.to(KERNEL_DEVICE))
+                                 square_scores=square)
     assert_scores(batch, initial, expected, touched, tol=1e-4 if KERNEL_DEVICE == "cuda" else 1e-5)
 
 
@@ -193,15 +188,13 @@ def test_only_queries_from_score_from_count(kernel):
     (windowed rankings); an index past the chunk, or a negative one, is fine. Squared
     sequences (the odd ones) count the same queries."""
     batch = make_batch(**CASES["bs32-d128-g3"], dtype=torch.float32)
-    score_from = torch.tensor([0, 20, 4, 3, -2], dtype=torch.int32)
+    score_from = torch.tensor([0, 20, 4, 3, -2], dtype=torch.int32, device=KERNEL_DEVICE)
     square = mixed_squares(batch)
     expected, touched, lse = dense_expectation(batch, score_from, square)
     initial = batch.score_cache.clone()
     accumulate = accumulate_key_scores_ref if kernel == "ref" else accumulate_key_scores_triton
-    batch = batch.to(KERNEL_DEVICE)
     accumulate(batch.q, batch.k_cache, batch.score_cache, batch.page_tables, batch.cu_seqlens_q,
-               batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale, score_from.to(KERNEL_DEVICE),
-               square_scores=square.to(KERNEL_DEVICE))
+               batch.context_lens, lse, batch.scale, score_from, square_scores=square)
     assert_scores(batch, initial, expected, touched)
 
 
@@ -212,18 +205,16 @@ def test_only_pairs_far_enough_apart_count(kernel, case):
     before it; sequences that skip nothing (0), squared ones and score_from in the same batch."""
     batch = make_batch(**CASES[case], dtype=torch.float32)
     B = len(batch.context_lens)
-    skip = skip_inputs(B, len(batch.q), batch.score_cache.shape, "cpu")
-    score_from = torch.tensor([0, 0, 4, 0, 0][:B], dtype=torch.int32)
+    skip = skip_inputs(B, len(batch.q), batch.score_cache.shape, KERNEL_DEVICE)
+    score_from = torch.tensor([0, 0, 4, 0, 0][:B], dtype=torch.int32, device=KERNEL_DEVICE)
     square = mixed_squares(batch)
     expected, touched, lse = dense_expectation(batch, score_from, square, skip)
     initial = batch.score_cache.clone()
     accumulate = accumulate_key_scores_ref if kernel == "ref" else accumulate_key_scores_triton
-    batch = batch.to(KERNEL_DEVICE)
-    score_skip, positions, pos_cache = (t.to(KERNEL_DEVICE) for t in skip)
+    score_skip, positions, pos_cache = skip
     accumulate(batch.q, batch.k_cache, batch.score_cache, batch.page_tables, batch.cu_seqlens_q,
-               batch.context_lens, lse.to(KERNEL_DEVICE), batch.scale, score_from.to(KERNEL_DEVICE),
-               square_scores=square.to(KERNEL_DEVICE), score_skip=score_skip, positions=positions,
-               pos_cache=pos_cache)
+               batch.context_lens, lse, batch.scale, score_from, square_scores=square, score_skip=score_skip,
+               positions=positions, pos_cache=pos_cache)
     assert_scores(batch, initial, expected, touched)
 
 
@@ -249,9 +240,7 @@ def test_triton_matches_dense_cuda(case, dtype):
     square = mixed_squares(batch)
     expected, touched, lse = dense_expectation(batch, square_scores=square)
     initial = batch.score_cache.clone()
-    cuda = batch.to("cuda")
-    accumulate_key_scores_triton(cuda.q, cuda.k_cache, cuda.score_cache, cuda.page_tables,
-                                 cuda.cu_seqlens_q, cuda.context_lens, lse.cuda(), cuda.scale,
-                                 square_scores=square.cuda())
+    accumulate_key_scores_triton(batch.q, batch.k_cache, batch.score_cache, batch.page_tables,
+                                 batch.cu_seqlens_q, batch.context_lens, lse, batch.scale, square_scores=square)
     torch.cuda.synchronize()
-    assert_scores(cuda, initial, expected, touched, tol=1e-4)
+    assert_scores(batch, initial, expected, touched, tol=1e-4)

@@ -34,7 +34,8 @@ def test_fp8_is_there():
 def test_round_trip_within_the_format_bound(fmt):
     """int8: at most half a step (scale / 2) from the original; fp8 e4m3: half an ulp of 3
     mantissa bits (2**-4 relative), or of the subnormal step 2**-9 * scale. Zero rows stay 0."""
-    x = torch.randn(64, 4, 96) * torch.logspace(-3, 2, 96)
+    with torch.device(KERNEL_DEVICE):
+        x = torch.randn(64, 4, 96) * torch.logspace(-3, 2, 96)
     x[3, 1] = 0.0
     values, scales = quantize(x, fmt)
     assert values.dtype == fmt and scales.shape == (64, 4)
@@ -45,7 +46,7 @@ def test_round_trip_within_the_format_bound(fmt):
     else:
         bound = torch.maximum(x.abs() * 2**-4, scales[..., None] * 2**-10)
     assert (error <= bound + slack).all()
-    assert torch.equal(dequantize(values, scales)[3, 1], torch.zeros(96))
+    assert torch.equal(dequantize(values, scales)[3, 1], torch.zeros_like(x[3, 1]))
     assert torch.allclose(dequantize(values, scales).abs().amax(-1), x.abs().amax(-1), rtol=1e-6)
 
 
@@ -90,32 +91,32 @@ def test_store_kv_quantizes_as_it_writes(fmt):
     assert torch.equal(dequantize(k_cache[page, offset], scales[page, offset, 0]), dequantize(*quantize(k[1], fmt)))
 
 
-def quantized_cache(num_pages, block_size, head_dim, fmt):
+def quantized_cache(num_pages, block_size, head_dim, fmt, device):
     """(K, V) unquantized fp32, (K, V) quantized to fmt, their scales, (K, V) dequantized."""
-    k, v = make_cache(num_pages, block_size, head_dim, torch.float32, "cpu")
+    k, v = make_cache(num_pages, block_size, head_dim, torch.float32, device)
     (kq, ks), (vq, vs) = quantize(k, fmt), quantize(v, fmt)
     return (k, v), (kq, vq), torch.stack([ks, vs], dim=-1), (dequantize(kq, ks), dequantize(vq, vs))
 
 
-def quantized_batch(fmt, dtype):
+def quantized_batch(fmt, dtype, device):
     """A mixed batch (ragged heads) over a quantized cache, and the reference on it:
     (q, cache, scales, dequantized, original, args, reference)."""
     block_size, Hkv, G, D = 16, 2, 3, 64
     chunks = mixed_chunks(block_size)
-    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv, G, D, dtype, "cpu")
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv, G, D, dtype, device)
     width = -(-int(context_lens.max()) // block_size) + 2
     num_pages = len(chunks) * Hkv * width
-    original, cache, scales, dequantized = quantized_cache(num_pages, block_size, D, fmt)
+    original, cache, scales, dequantized = quantized_cache(num_pages, block_size, D, fmt, device)
     dequantized = [t.to(dtype) if dtype == torch.float32 else t for t in dequantized]
     tables = scattered_tables(context_lens, block_size, num_pages, width)
-    square = mixed_squares(len(chunks), "cpu")
+    square = mixed_squares(len(chunks), device)
     args = (tables, cu_seqlens_q, context_lens, D ** -0.5)
 
     def reference(k_cache, v_cache, kv_scales=None, batch=(q, *args, square)):
         q_, tables_, cu_seqlens_q_, context_lens_, scale, square_ = batch
         out, lse = paged_attention_ref(q_, k_cache, v_cache, tables_, cu_seqlens_q_, context_lens_, scale,
                                        return_lse=True, kv_scales=kv_scales)
-        scores = torch.zeros(num_pages, block_size)
+        scores = torch.zeros(num_pages, block_size, device=device)
         accumulate_key_scores_ref(q_, k_cache, scores, tables_, cu_seqlens_q_, context_lens_, lse, scale,
                                   kv_scales=kv_scales, square_scores=square_)
         return out.float(), lse, scores
@@ -134,14 +135,14 @@ def test_every_kernel_dequantizes(fmt, dtype):
     """Prefill (Triton), decode (Triton), key scores (Triton, plain and squared) and the
     reference, on one quantized cache: each as close to the reference on the dequantized
     cache as on an unquantized cache, and within LOOSE of the reference on the original values."""
-    q, cache, scales, dequantized, original, args, square, reference = quantized_batch(fmt, dtype)
+    q, cache, scales, dequantized, original, args, square, reference = quantized_batch(fmt, dtype, KERNEL_DEVICE)
     tight, loose = TOL[dtype][0], LOOSE[fmt]
     expected = reference(*dequantized)
     close(reference(*cache, scales), expected, 1e-6)   # the reference dequantizes as it gathers
     close(reference(*original), expected, loose)
 
     out, lse = paged_attention_triton(q, *cache, *args, return_lse=True, kv_scales=scales)
-    scores = torch.zeros(cache[0].shape[:2])
+    scores = torch.zeros(cache[0].shape[:2], device=KERNEL_DEVICE)
     accumulate_key_scores_triton(q, cache[0], scores, *args[:3], lse, args[3], kv_scales=scales,
                                  square_scores=square)
     close((out, lse, scores), expected, tight)
@@ -149,11 +150,11 @@ def test_every_kernel_dequantizes(fmt, dtype):
     # Flash-decoding gets the rows of one query each (mixed_chunks puts them 4th to 8th).
     tables, cu_seqlens_q, context_lens, scale = args
     rows = slice(3, len(context_lens) - 1)
-    decodes = (q[cu_seqlens_q[rows].long()], tables[rows], torch.arange(5 + 1, dtype=torch.int32),
+    decodes = (q[cu_seqlens_q[rows].long()], tables[rows], torch.arange(5 + 1, dtype=torch.int32, device=KERNEL_DEVICE),
                context_lens[rows], scale, square[rows])
     expected = reference(*dequantized, batch=decodes)
     close(reference(*original, batch=decodes), expected, loose)
-    scores = torch.zeros(cache[0].shape[:2])
+    scores = torch.zeros(cache[0].shape[:2], device=KERNEL_DEVICE)
     out, lse = paged_decode_attention_triton(decodes[0], *cache, decodes[1], decodes[3], scale, 3, return_lse=True,
                                              score_cache=scores, kv_scales=scales, square_scores=decodes[5])
     close((out, lse, scores), expected, tight)
@@ -162,8 +163,8 @@ def test_every_kernel_dequantizes(fmt, dtype):
 @pytest.mark.parametrize("fmt", FORMATS, ids=param_id)
 def test_cpu_backend_dequantizes(fmt):
     """The CPU backend on a quantized cache, as close to the reference as on an unquantized one."""
-    q, cache, scales, dequantized, _, args, square, reference = quantized_batch(fmt, torch.float32)
-    scores = torch.zeros(cache[0].shape[:2])
+    q, cache, scales, dequantized, _, args, square, reference = quantized_batch(fmt, torch.float32, "cpu")
+    scores = torch.zeros(cache[0].shape[:2], device=q.device)
     out = paged_attention_cpu(q, *cache, *args, score_cache=scores, kv_scales=scales, square_scores=square)
     close((out, scores), reference(*dequantized)[::2], TOL[torch.float32][0])
 
@@ -197,7 +198,8 @@ def test_int8_cache_continues_as_the_fp32_cache_on_the_bundled_model(bundled_dir
     from nanokv import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)   # 16 of the 48 measured: time
-    outputs = [[out.token_ids for out in LLM(str(bundled_dir), dtype="float32", num_kv_blocks=32, max_model_len=256,
+    outputs = [[out.token_ids for out in LLM(str(bundled_dir), dtype="float32", device=KERNEL_DEVICE,
+                                             num_kv_blocks=32, max_model_len=256,
                                              kv_cache_dtype=kv_cache_dtype).generate(PROMPTS, params)]
                for kv_cache_dtype in ("auto", "int8")]
     assert outputs[0] == outputs[1]

@@ -3,6 +3,7 @@
 Timings are never asserted: only that every figure is there and makes sense.
 """
 import json
+import sys
 
 import pytest
 
@@ -14,7 +15,7 @@ RECORD_FIELDS = {"device", "model", "dtype", "mode", "method", "budget", "batch"
                  "fits", "preemptions", "date", "commit", "cuda_max_allocated_gb"}
 
 
-def search(threshold: int, max_batch: int) -> tuple[int, list[int]]:
+def search(threshold: int, max_batch: int, start: int = 1) -> tuple[int, list[int]]:
     """largest_batch against a fake engine where batches up to `threshold` fit."""
     probes = []
 
@@ -22,7 +23,7 @@ def search(threshold: int, max_batch: int) -> tuple[int, list[int]]:
         probes.append(b)
         return b <= threshold
 
-    return throughput.largest_batch(fits, max_batch), probes
+    return throughput.largest_batch(fits, max_batch, start), probes
 
 
 @pytest.mark.parametrize("max_batch", [1, 2, 7, 16, 100])
@@ -33,6 +34,17 @@ def test_largest_batch_finds_the_threshold(max_batch):
         assert len(probes) == len(set(probes)), "no batch is run twice"
         assert all(1 <= b <= max_batch for b in probes)
         assert len(probes) <= 2 * max_batch.bit_length() + 1
+
+
+@pytest.mark.parametrize("start", [1, 5, 28, 200])
+def test_largest_batch_from_a_guess(start):
+    for threshold in (0, 1, 4, 27, 28, 29, 64, 127, 128, 500):
+        best, probes = search(threshold, 128, start)
+        assert best == min(threshold, 128)
+        assert len(probes) == len(set(probes)) and all(1 <= b <= 128 for b in probes)
+        assert len(probes) <= 2 * 128 .bit_length() + 1
+    assert search(28, 128, start=28)[1] == [28, 29]    # a right guess: the answer and one more
+    assert search(27, 128, start=28)[1] == [28, 27]
 
 
 def test_largest_batch_edges():
@@ -76,6 +88,22 @@ def test_a_bare_run_without_a_gpu_is_the_cpu_preset(monkeypatch, capsys):
     assert capsys.readouterr().out.startswith("No GPU here: the CPU preset (--preset cpu-small")
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     assert not bench.parse_args([]).cpu_default and bench.parse_args([]).input_len == 3584
+
+
+def test_a_flag_the_mode_does_not_use_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--mode", "host", "--kv-cache-gb", "4"])
+    err = capsys.readouterr().err
+    assert "--mode host does not use --kv-cache-gb" in err and "--random-weights" in err   # what it takes
+    for argv in (["--mode", "workload", "--input-len", "64"], ["--mode", "hf", "--random-weights", "tiny"],
+                 ["--mode", "workload", "--plot", "x.png"], ["--preset", "cpu-small", "--report", "r.md"],
+                 ["--mode", "paper", "--budgets", "64", "--batches", "1"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+    assert "--mode paper does not use --batches" in capsys.readouterr().err
+    args = bench.parse_args(["--mode", "host", "--random-weights", "qwen3-0.6b", "--batches", "1", "256"])
+    assert args.random_weights == "qwen3-0.6b" and args.batches == [1, 256]
+    bench.parse_args(["--mode", "paper", "--max-batch", "128"])   # the mode's own flag, even at its default
 
 
 def test_methods_take_a_schedule_and_settings():
@@ -188,6 +216,20 @@ def test_prefix_mode_end_to_end(tiny_dir, tmp_path, capsys):
     assert [r["cached_tokens"] for r in records] == [0, 0, 64, 16]
     assert all(r["same_outputs"] for r in records[2:])
     assert "mean TTFT s" in capsys.readouterr().out
+
+
+def test_host_mode_runs_the_shape_it_is_given():
+    records = bench.main(["--mode", "host", "--random-weights", "smollm2-135m", "--batches", "2", "--methods", "full",
+                          "--input-len", "8", "--output-len", "3"])
+    assert {r["model"] for r in records} == {"random:smollm2-135m"} and all(r["forward"] > 0 for r in records)
+
+
+def test_no_matplotlib_is_a_note_not_a_failure(tiny_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib raises ModuleNotFoundError
+    png = tmp_path / "plot.png"
+    bench.main(["--mode", "paper", "--model", str(tiny_dir), *TOY, "--max-batch", "2", "--num-requests", "0",
+                "--plot", str(png)])
+    assert "matplotlib is not installed" in capsys.readouterr().out and not png.exists()
 
 
 def test_host_mode_times_every_phase_per_decode_step(capsys):
