@@ -26,7 +26,7 @@ from kernels.attention.decode import (MIN_SPLIT, DecodeWorkspace, decode_workspa
 from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
 from kernels.attention.prefill import paged_attention_triton
 from kernels.attention.reference import paged_attention_ref
-from kernels.compact import compact_kv
+from kernels.compact import move_slots
 from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.linear_cpu import PackedLinear, can_prepack, prepack_linears
@@ -277,7 +277,7 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
 
 
 __all__ = ["BACKENDS", "QUANT_MAX", "DecodeWorkspace", "PackedLinear", "StepPlan", "add_rms_norm", "apply_rope",
-           "backend", "can_prepack", "captures_graphs", "check_device", "compact_kv", "decode_num_splits",
+           "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits",
            "decode_partials", "decode_programs", "decode_workspace_for", "dequantize", "forced_backend", "logits_scratch",
-           "packs_weights", "paged_attention", "plan_step", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
+           "move_slots", "packs_weights", "paged_attention", "plan_step", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
            "set_backend", "silu_and_mul", "split_count", "store_kv"]

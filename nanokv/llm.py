@@ -198,7 +198,8 @@ class LLM:
                            host.num_blocks - blocks.num_host_free, len(blocks.host_reclaimable), host.num_blocks,
                            host.bytes_per_block(self.runner.kv_cache), *sched.host_copies, sched.host_hits,
                            sum(len(seq.offloaded) for seq in sched.running), sched.num_offloaded,
-                           self.runner.blocks_streamed, self.runner.positions_recomputed)
+                           self.runner.blocks_streamed, self.runner.positions_recomputed,
+                           *self.runner.evictor.pair_counts.tolist())
 
     @contextlib.contextmanager
     def timing(self) -> Iterator[Timings]:

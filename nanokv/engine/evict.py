@@ -2,8 +2,9 @@
 
 The scheduler decides who drops how many pairs (the method's schedule); here each
 (layer, KV head)'s pairs are read from the cache, ranked by the method's ranking,
-and the survivors compacted into the head's first slots in their old order, so
-slot order stays position order (kernels.compact_kv). Sequences of one rule,
+and the holes the evicted pairs leave below the head's new length are filled by the
+survivors above it (nanokv/eviction/holes.py, kernels.move_slots): an eviction writes at
+most as many pairs as it drops, and slot order is not position order. Sequences of one rule,
 size and count are ranked together; an uneven method (kvcompress) gives up whole
 pages chosen across all its heads and layers, of every rank when the model is split
 (nanokv/eviction/pages.py).
@@ -26,6 +27,7 @@ from models.tensor_parallel import Shard
 from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import HeadPages, Sequence
 from nanokv.eviction import HeldPairs
+from nanokv.eviction.holes import hole_moves, lowest
 from nanokv.eviction.pages import choose_pages, kept_slots, page_costs, repage
 
 PIECE_BYTES = 256 * 2**20
@@ -54,6 +56,9 @@ class Evictor:
         self.cache, self.block_size, self.device = cache, cache.block_size, cache.k.device
         self.shard = shard   # a split model's replicated KV heads sum their scores over their replicas
         self.piece_pairs = PIECE_BYTES // held_pair_bytes(cache.k.shape[-1], cache.k.dtype)
+        # Since the engine started, over this rank's heads: the pairs evictions dropped and those
+        # they wrote (moved into holes, whole pages repaged), counted on the device: no sync.
+        self.pair_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
 
     def evict(self, evictions: list[Eviction]) -> None:
         """Drop each eviction's pairs from every (layer, KV head) of its sequence and compact
@@ -75,8 +80,11 @@ class Evictor:
             tables = self._tables(seqs, num_slots)
             for in_piece, layers in self._pieces(len(seqs), num_slots):
                 piece = tables[in_piece, layers]
-                kernels.compact_kv(self.cache.per_slot, piece, self._survivors(seqs[in_piece], piece, num_slots,
-                                                                               num_evicted))
+                evicted = self._evicted(seqs[in_piece], piece, num_slots, num_evicted)
+                moves = hole_moves(evicted, num_slots)
+                kernels.move_slots(self.cache.per_slot, piece, *moves)
+                self.pair_counts[0] += evicted.numel()
+                self.pair_counts[1] += moves[2].sum()
                 if seqs[0].method.windowed:   # its scores restart: the next window counts from zero
                     self.cache.scores[piece] = 0.0
 
@@ -114,15 +122,11 @@ class Evictor:
                                   None if scales is None else read_slots(scales, tables, n)[..., 0])
         return keys.to(torch.promote_types(keys.dtype, torch.float32)).norm(dim=-1)
 
-    def _survivors(self, seqs: list[Sequence], tables: torch.Tensor, num_slots: int,
-                   num_evicted: int) -> torch.Tensor:
-        """[S, L, H, num_slots - num_evicted] ascending slot indices each head keeps, by the
-        sequences' common rule: a stable ascending sort evicts the lowest first, ties by slot
-        (= by position)."""
-        if num_evicted == 0:
-            return torch.arange(num_slots, device=self.device).expand(len(seqs), *tables.shape[1:3], -1)
-        priority = seqs[0].method.keep_priority(self._held(seqs, tables, num_slots))
-        return priority.argsort(dim=-1, stable=True)[..., num_evicted:].sort(dim=-1).values
+    def _evicted(self, seqs: list[Sequence], tables: torch.Tensor, num_slots: int, num_evicted: int) -> torch.Tensor:
+        """[S, L, H, num_evicted] ascending slot indices each head drops of its first num_slots,
+        by the sequences' common rule: the lowest priorities, ties by position."""
+        held = self._held(seqs, tables, num_slots)
+        return lowest(seqs[0].method.keep_priority(held), held.positions, num_evicted)
 
     def _head_pages(self, seqs: list[Sequence], num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Uneven sequences' pages [S, L, Hkv, W] and pairs per head [S, L, Hkv] when they hold
@@ -148,20 +152,22 @@ class Evictor:
         method, bs, n = seqs[0].method, self.block_size, width * self.block_size
         pieces = list(self._pieces(S, n))
 
-        def priority(in_piece: slice, layers: slice) -> torch.Tensor:
-            return method.keep_priority(self._held(seqs[in_piece], tables[in_piece, layers], n,
-                                                   lens[in_piece, layers]))
+        def ranked(in_piece: slice, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
+            held = self._held(seqs[in_piece], tables[in_piece, layers], n, lens[in_piece, layers])
+            return method.keep_priority(held), held.positions
         held_pages = -(-lens // bs)
         costs = torch.empty(S, L, H, width, device=self.device)
         for in_piece, layers in pieces:
-            costs[in_piece, layers] = page_costs(priority(in_piece, layers), lens[in_piece, layers], bs,
+            costs[in_piece, layers] = page_costs(*ranked(in_piece, layers), lens[in_piece, layers], bs,
                                                  method.floor_pages(bs))
         evicted = self._choose_pages(costs, lens, num_slots - num_evicted, evictions)
         kept_lens = torch.empty_like(lens)
         for in_piece, layers in pieces:
-            keep, kept_lens[in_piece, layers] = kept_slots(priority(in_piece, layers), lens[in_piece, layers],
-                                                           evicted[in_piece, layers], bs)
-            kernels.compact_kv(self.cache.per_slot, tables[in_piece, layers], keep, kept_lens[in_piece, layers])
+            moves, kept_lens[in_piece, layers] = kept_slots(*ranked(in_piece, layers), lens[in_piece, layers],
+                                                            evicted[in_piece, layers], bs)
+            kernels.move_slots(self.cache.per_slot, tables[in_piece, layers], *moves)
+            self.pair_counts[1] += moves[2].sum()
+        self.pair_counts[0] += (lens - kept_lens).sum()
         if method.windowed:   # its scores restart (KVC-full's keep accumulating)
             self.cache.scores[tables[torch.arange(width, device=self.device) < held_pages[..., None]]] = 0.0
         kept_pages, kept_lens = held_pages - evicted, kept_lens.int()
@@ -173,6 +179,7 @@ class Evictor:
                 part_tables, src, dst = repage(tables[part], kept_pages[part], staying)
                 for buffer in self.cache.per_slot:
                     buffer[dst.long()] = buffer[src.long()]
+                self.pair_counts[1] += src.numel() * bs
                 for row, i in enumerate(part):
                     seqs[i].head_pages = HeadPages(part_tables, kept_lens[part], row, seqs[i].num_kv_slots)
 
@@ -212,8 +219,12 @@ class Evictor:
             tables, lens = (x[0] for x in self._head_pages([seq], n))
             positions = read_slots(self.cache.positions, tables[None], tables.shape[-1] * self.block_size)[0]
             slot = torch.arange(positions.shape[-1], device=self.device)
-            return positions.masked_fill(slot >= lens[..., None], -1)[..., :int(lens.max())].cpu()
+            end = torch.iinfo(positions.dtype).max   # a head's empty slots: after its pairs, then -1
+            ordered = positions.masked_fill(slot >= lens[..., None], end).sort(dim=-1).values
+            return ordered.masked_fill(ordered == end, -1)[..., :int(lens.max())].cpu()
         tables = self._tables([seq], n)
         pending = seq.method.schedule.evict_count(seq) if seq.method.schedule.evicts_eagerly else 0
-        keep = self._survivors([seq], tables, n, pending)
-        return read_slots(self.cache.positions, tables, n).gather(-1, keep)[0].cpu()
+        positions = read_slots(self.cache.positions, tables, n)
+        if pending:
+            positions = positions.scatter(-1, self._evicted([seq], tables, n, pending), torch.iinfo(torch.int32).max)
+        return positions.sort(dim=-1).values[..., :n - pending][0].cpu()

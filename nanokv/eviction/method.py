@@ -64,10 +64,11 @@ class KVMethod:
         return max(-(-(self.sinks + self.recent) // block_size), 1)
 
     def keep_priority(self, held: HeldPairs) -> torch.Tensor:
-        """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf."""
+        """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf: the
+        sinks (the first positions) and the `recent` most recent, the positions after
+        current - recent (every one of them is held: none was ever evicted)."""
         priority = self.ranking.keep_priority(held)   # not cast: float64 key norms keep their precision
-        n = held.positions.shape[-1]
-        lens = n if held.lens is None else held.lens[..., None]
-        slot = torch.arange(n, device=priority.device)
-        protected = (held.positions < self.sinks) | ((slot >= lens - self.recent) & (slot < lens))
+        protected = (held.positions < self.sinks) | (held.positions > held.current - self.recent)
+        if held.lens is not None:   # a head's slots past its own pairs hold none
+            protected &= torch.arange(priority.shape[-1], device=priority.device) < held.lens[..., None]
         return priority.masked_fill(protected, float("inf"))

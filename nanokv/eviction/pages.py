@@ -6,7 +6,8 @@ Evicting e pages from a head costs the largest priority among its e * bs lowest 
 empty slots of its partly filled last page counting as the lowest; +inf never goes):
 page_costs. The num_pages cheapest page evictions over all heads are taken, a head's e-th
 before its e+1-th as their costs never decrease, every head keeping at least floor_pages
-pages: choose_pages. Each head then keeps its other slots: kept_slots. The first and last
+pages: choose_pages. Each head then keeps its other slots, the survivors above its new length
+moving into the holes below it: kept_slots. The first and last
 run on the layers a piece at a time, choose_pages on them all.
 
 Pure tensor functions of sequences' pages: one sequence's, or (but repage) several
@@ -18,19 +19,23 @@ from __future__ import annotations
 import torch
 
 
-def _ordered(priority: torch.Tensor, lens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each head's slots in eviction order (empty slots first, other heads' never) and their priorities."""
+def _ordered(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
+             block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's slots in eviction order (empty slots first, other heads' never; ties by
+    position) and their priorities."""
     slot = torch.arange(priority.shape[-1], device=priority.device)
     held_pages = -(-lens // block_size)
     priority = (priority.masked_fill(slot >= lens[..., None], float("-inf"))          # empty: first
                 .masked_fill(slot >= (held_pages * block_size)[..., None], float("inf")))   # not its page
-    order = priority.argsort(dim=-1, stable=True)   # ties by slot, i.e. by position
+    by_position = positions.masked_fill(slot >= lens[..., None], -1).argsort(dim=-1, stable=True)
+    order = by_position.gather(-1, priority.gather(-1, by_position).argsort(dim=-1, stable=True))
     return order, priority.gather(-1, order)
 
 
-def page_costs(priority: torch.Tensor, lens: torch.Tensor, block_size: int, floor_pages: int) -> torch.Tensor:
+def page_costs(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, block_size: int,
+               floor_pages: int) -> torch.Tensor:
     """[..., L, H, n / bs]: what evicting each head's e-th page costs (+inf below its floor)."""
-    costs = _ordered(priority, lens, block_size)[1][..., block_size - 1::block_size]
+    costs = _ordered(priority, positions, lens, block_size)[1][..., block_size - 1::block_size]
     count = torch.arange(1, costs.shape[-1] + 1, device=priority.device)
     held_pages = -(-lens // block_size)
     return costs.masked_fill(count > (held_pages - floor_pages)[..., None], float("inf"))
@@ -50,16 +55,23 @@ def choose_pages(costs: torch.Tensor, num_pages: torch.Tensor | int) -> torch.Te
     return evicted[..., :L * H].view(*lead, L, H)
 
 
-def kept_slots(priority: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor,
-               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """keep [..., L, H, n] (each head's surviving slots first, ascending) and the new lens
-    [..., L, H] when head (l, h) gives up its evicted[..., l, h] cheapest pages."""
+def kept_slots(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor,
+               block_size: int) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """When head (l, h) gives up its evicted[..., l, h] cheapest pages: the moves that fill the
+    holes its evicted pairs leave below its new length with its survivors above it ((src, dst,
+    valid), each [..., L, H, n]: nanokv/eviction/holes.py, here with a count per head) and the
+    new lens [..., L, H]."""
     n = priority.shape[-1]
     slot = torch.arange(n, device=priority.device)
-    order = _ordered(priority, lens, block_size)[0]
+    order = _ordered(priority, positions, lens, block_size)[0]
     rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
-    kept = (rank >= (evicted * block_size)[..., None]) & (slot < lens[..., None])
-    return torch.where(kept, slot, n + slot).argsort(dim=-1), kept.sum(dim=-1)
+    leaving = (rank < (evicted * block_size)[..., None]) & (slot < lens[..., None])
+    new_lens = lens - leaving.sum(dim=-1)
+    below = slot < new_lens[..., None]
+    holes = torch.where(leaving & below, slot, n + slot).sort(dim=-1).values
+    movers = torch.where(~leaving & ~below & (slot < lens[..., None]), slot, n + slot).sort(dim=-1).values
+    valid = holes < n
+    return (torch.where(valid, movers, slot), torch.where(valid, holes, slot), valid), new_lens
 
 
 def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor

@@ -17,8 +17,9 @@ import torch
 
 @dataclass
 class HeldPairs:
-    """The pairs of S sequences that evict together, each [S, L, H, n] in slot (= position) order.
-    Head (l, h) holds its first lens[..., l, h] slots; n of them when lens is None."""
+    """The pairs of S sequences that evict together, each [S, L, H, n] in slot order, which is
+    not position order (evictions fill holes: nanokv/eviction/holes.py). Head (l, h) holds its
+    first lens[..., l, h] slots; n of them when lens is None."""
     positions: torch.Tensor            # original positions (int32)
     scores: torch.Tensor               # attention probabilities accumulated (windowed: in the window), fp32
     current: torch.Tensor              # [S, 1, 1, 1]: position of each sequence's last query processed
@@ -104,10 +105,12 @@ class ObservationWindow(Ranking):
         self.window, self.pool = window, pool
 
     def keep_priority(self, held):
-        scores = held.scores
+        """Pooled over neighbouring positions: the scores in position order, pooled, put back."""
+        order = held.positions.argsort(dim=-1)
+        scores = held.scores.gather(-1, order)
         pooled = torch.nn.functional.max_pool1d(scores.reshape(-1, 1, scores.shape[-1]), self.pool, stride=1,
                                                 padding=self.pool // 2)
-        return pooled.view_as(scores)
+        return torch.empty_like(scores).scatter_(-1, order, pooled.view_as(scores))
 
 
 class SquaredAttention(Ranking):

@@ -125,7 +125,9 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
         prefill_steps=timings.prefill_steps, decode_steps=steps,
         mean_decode_batch=decode_batch / steps if steps else None,
         mean_decode_context=decode_context / decode_batch if decode_batch else None,
-        preemptions=stats.preemptions - before.preemptions, max_running=max_running)
+        preemptions=stats.preemptions - before.preemptions, max_running=max_running,
+        moved_per_evicted=(stats.pairs_moved - before.pairs_moved) / (stats.pairs_evicted - before.pairs_evicted)
+        if stats.pairs_evicted > before.pairs_evicted else None)
 
 
 def run_context(args, llm) -> dict:

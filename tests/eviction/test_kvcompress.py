@@ -57,12 +57,18 @@ def test_page_eviction_takes_the_cheapest_pages_across_heads(seed):
     floor = 1 + seed % 2
     room = int((-(-lens // bs) - floor).clamp(min=0).sum())
     num_pages = int(torch.randint(1, room + 1, (), generator=g))
-    evicted = choose_pages(page_costs(priority, lens, bs, floor), num_pages)
-    keep, new_lens = kept_slots(priority, lens, evicted, bs)
+    positions = torch.arange(width * bs).expand(L, H, -1)   # ties by position: by slot, as the greedy oracle breaks them
+    evicted = choose_pages(page_costs(priority, positions, lens, bs, floor), num_pages)
+    (src, dst, valid), new_lens = kept_slots(priority, positions, lens, evicted, bs)
     expected_evicted, expected_kept = greedy_page_eviction(priority, lens, num_pages, bs, floor)
     assert torch.equal(evicted, expected_evicted)
     for (l, h), slots in expected_kept.items():
-        assert new_lens[l, h] == len(slots) and keep[l, h, :len(slots)].tolist() == slots
+        head = list(range(width * bs))   # each slot holds its own pair; the moves fill the holes
+        moves = [(a, b) for a, b, ok in zip(src[l, h].tolist(), dst[l, h].tolist(), valid[l, h].tolist()) if ok]
+        for a, b in moves:
+            head[b] = head[a]
+        assert new_lens[l, h] == len(slots) and sorted(head[:len(slots)]) == slots
+        assert len(moves) <= lens[l, h] - len(slots)            # at most one write per pair evicted
         assert new_lens[l, h] % bs == 0 or evicted[l, h] == 0   # a head that gave pages keeps whole ones
 
 
