@@ -44,12 +44,12 @@ FAMILIES = {
 
 
 def make_tiny_model(path: Path, family: str, tied: bool = False, seed: int = 0,
-                    max_shard_size: str | None = None):
-    """Write a random 2-layer model of `family` to `path`; returns the HF model (fp32)."""
+                    max_shard_size: str | None = None, layers: int = 2):
+    """Write a random model of `family` (2 layers unless asked) to `path`; returns the HF model (fp32)."""
     import transformers
 
     cfg = transformers.AutoConfig.for_model(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
         max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-5,
         tie_word_embeddings=tied, bos_token_id=256, eos_token_id=257, **FAMILIES[family])
     torch.manual_seed(seed)

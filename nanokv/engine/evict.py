@@ -81,10 +81,10 @@ class Evictor:
             for in_piece, layers in self._pieces(len(seqs), num_slots):
                 piece = tables[in_piece, layers]
                 evicted = self._evicted(seqs[in_piece], piece, num_slots, num_evicted)
-                moves = hole_moves(evicted, num_slots)
-                kernels.move_slots(self.cache.per_slot, piece, *moves)
+                src, dst, valid = hole_moves(evicted, num_slots)
+                kernels.move_slots(self.cache.per_slot, piece, src, dst)   # the rest move a slot onto itself
                 self.pair_counts[0] += evicted.numel()
-                self.pair_counts[1] += moves[2].sum()
+                self.pair_counts[1] += valid.sum()
                 if seqs[0].method.windowed:   # its scores restart: the next window counts from zero
                     self.cache.scores[piece] = 0.0
 

@@ -35,7 +35,9 @@ def lowest(priority: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Ten
 def hole_moves(evicted: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(src, dst, valid), each [..., k]: for heads of n slots each evicting the ascending slots
     evicted [..., k], the survivor in slot src[j] moves to the hole dst[j] wherever valid[j]:
-    the survivors among the last k slots, into the evicted slots below n - k, in order."""
+    the survivors among the last k slots, into the evicted slots below n - k, in order.
+    Elsewhere src[j] = dst[j], an evicted slot no valid move reads or writes: the moves can
+    all be made, with no mask (no data-dependent shape: no host sync)."""
     k = evicted.shape[-1]
     kept = n - k
     tail = torch.arange(kept, n, device=evicted.device)

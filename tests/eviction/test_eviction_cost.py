@@ -1,10 +1,12 @@
-"""What an eviction writes: at most the pairs it drops (the survivors above each head's new
-length fill the holes below it), plus one block per head, for every method; counted as the
-K slots whose contents an eviction changes."""
+"""What an eviction costs: it writes at most the pairs it drops (the survivors above each
+head's new length fill the holes below it), plus one block per head, for every method,
+counted as the K slots whose contents it changes; and a step's eviction runs the same torch
+ops whatever the batch and the layers, none of which waits for the device."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import VOCAB
+from helpers import VOCAB, make_tiny_model
 from nanokv import LLM, SamplingParams
 
 METHODS = ["batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "kvcompress", "decode_only", "ed",
@@ -47,3 +49,44 @@ def test_an_eviction_writes_at_most_what_it_drops_plus_a_block_per_head(llm, met
     assert moved >= sum(written for written, _, _ in counts) and evicted >= sum(dropped for _, dropped, _ in counts)
     if ranking != "kvcompress":
         assert (moved, evicted) == tuple(map(sum, zip(*counts)))[:2]
+
+
+class CountOps(TorchDispatchMode):
+    """Every torch op dispatched inside, by name."""
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# Ops whose result the host must wait for: a value read back, or a shape that depends on data.
+WAITS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique")
+
+
+@pytest.mark.parametrize("method", ["batchmax", "h2o@prefill", "streamingllm", "knorm@decode", "snapkv@prefill"])
+def test_an_eviction_step_runs_the_same_ops_whatever_the_batch_and_layers(tmp_path, method):
+    ranking, _, schedule = method.partition("@")
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=ranking, kv_budget=64,
+                            evict_every=16, kv_schedule=schedule or None, **({"kv_window": 8} if ranking == "snapkv" else {}))
+    g = torch.Generator().manual_seed(0)
+    seen = {}
+    for layers, batch in ((2, 8), (2, 64), (12, 8)):
+        if not (tmp_path / str(layers)).exists():
+            make_tiny_model(tmp_path / str(layers), "llama", layers=layers)
+        llm = LLM(str(tmp_path / str(layers)), dtype="float32", num_kv_blocks=8 * batch + 16, max_model_len=256,
+                  max_num_seqs=batch, num_threads=1)
+        steps, evict = [], llm.runner.evictor.evict
+
+        def counted(evictions):
+            with CountOps() as counter:
+                evict(evictions)
+            if evictions:
+                steps.append(counter.ops)
+        llm.runner.evictor.evict = counted
+        llm.generate([torch.randint(0, VOCAB, (150,), generator=g).tolist() for _ in range(batch)], params)
+        assert steps and not [op for ops in steps for op in ops if op.startswith(WAITS)]
+        seen[layers, batch] = {len(ops) for ops in steps}
+    assert seen[2, 8] == seen[2, 64] == seen[12, 8], seen
