@@ -24,7 +24,7 @@ from kernels.attention.cpu import StepPlan, make_plan, paged_attention_cpu
 from kernels.attention.decode import (MIN_SPLIT, DecodeWorkspace, decode_workspace, logits_scratch as _logits_scratch,
                                       paged_decode_attention_triton)
 from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
-from kernels.attention.prefill import paged_attention_triton
+from kernels.attention.prefill import PREFILL_BLOCK_M, paged_attention_triton, prefill_tiles
 from kernels.attention.reference import paged_attention_ref
 from kernels.compact import move_slots
 from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_triton
@@ -149,11 +149,9 @@ def decode_programs(device: torch.device) -> int:
 
 
 def split_count(batch_size: int, num_kv_heads: int, max_context_len: int, programs: int) -> int:
-    """Splits per (sequence, KV head) for flash-decoding, for a launch that aims at `programs`
-    (sequence, KV head, split) programs: as many splits as that takes, and no more than a
-    context of max_context_len can use (a split holds at least MIN_SPLIT slots). Small batches
-    thus spread a long context over the GPU (batch 1, 8 KV heads, 4k context: 16 splits), large
-    ones take a few splits per head."""
+    """Splits per (sequence or query tile, KV head) of a launch that aims at `programs` programs:
+    as many as that takes, and no more than a context of max_context_len can use (a split holds
+    at least MIN_SPLIT slots). Decode at batch 1, 8 KV heads, 4k context: 16 splits."""
     wanted = -(-programs // (batch_size * num_kv_heads))
     return max(1, min(wanted, -(-max_context_len // MIN_SPLIT)))
 
@@ -165,6 +163,25 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int, 
     own pages reach past max_model_len, kvcompress), so at long contexts graphed and eager
     steps can sum their splits in another order: equal up to the last bits."""
     return split_count(batch_size, num_kv_heads, max_context_len, decode_programs(device))
+
+
+def prefill_num_splits(num_seqs: int, max_query_len: int, num_kv_heads: int, group: int, dtype: torch.dtype,
+                       max_context_len: int, device: torch.device) -> int:
+    """Splits per (sequence, KV head) of the prefill kernel's contexts: split_count over the
+    batch's query tiles, so a few short chunks over long contexts (block-wise prefill) fill
+    the GPU as flash-decoding does, and a long prefill takes one."""
+    block_q = prefill_tiles(dtype, max_query_len, group)[0] // group
+    tiles = num_seqs * -(-max_query_len // block_q)
+    return split_count(tiles, num_kv_heads, max_context_len, decode_programs(device))
+
+
+def prefill_split_bytes(head_dim: int, device: torch.device) -> int:
+    """The most a split prefill's fp32 partial results take: splits > 1 only while tiles x Hkv
+    < programs, so tokens x splits < 2 x block_q x programs / Hkv, and as block_q <=
+    PREFILL_BLOCK_M / G, token-heads x splits < 2 x PREFILL_BLOCK_M x programs."""
+    if backend(device) != "triton":
+        return 0
+    return 2 * PREFILL_BLOCK_M * decode_programs(device) * (head_dim + 1) * 4
 
 
 def decode_partials(max_num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
@@ -265,8 +282,10 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
     # The chunks: their rows of q, out and lse are addressed through cu_seqlens_q.
     chunks = slice(num_decodes, None)
     cu_seqlens, tables, lens = cu_seqlens_q[chunks], page_tables[chunks], context_lens[chunks]
+    splits = prefill_num_splits(len(lens), max_query_len, tables.shape[1], q.shape[1] // tables.shape[1], q.dtype,
+                                max_context_len, q.device)
     result = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens, lens, scale, return_lse=want_lse,
-                                    max_query_len=max_query_len, out=out, kv_scales=kv_scales)
+                                    max_query_len=max_query_len, out=out, kv_scales=kv_scales, num_splits=splits)
     if want_lse:
         accumulate_key_scores_triton(q, k_cache, score_cache, tables, cu_seqlens, lens, result[1], scale,
                                      part(score_from, chunks), max_query_len=max_query_len,
@@ -279,5 +298,5 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
 __all__ = ["BACKENDS", "QUANT_MAX", "DecodeWorkspace", "PackedLinear", "StepPlan", "add_rms_norm", "apply_rope",
            "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits",
            "decode_partials", "decode_programs", "decode_workspace_for", "dequantize", "forced_backend", "logits_scratch",
-           "move_slots", "packs_weights", "paged_attention", "plan_step", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
+           "move_slots", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits", "prefill_split_bytes", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
            "set_backend", "silu_and_mul", "split_count", "store_kv"]

@@ -175,10 +175,11 @@ def _qkv(tokens: int, hq: int, hkv: int, d: int, dtype) -> tuple[torch.Tensor, t
 
 def _attention_case(kind: str, shape: str, dtype: str, block_size: int, query_len: int = 1,
                     scores: bool = False, cache: str | None = None, square: bool = False,
-                    skip: bool = False) -> Callable[[], None]:
+                    skip: bool = False, splits: int = 1) -> Callable[[], None]:
     """On the page layout (kernels/kv_store.py). cache: "int8" or "fp8" for a quantized cache,
     None for one in the model's dtype; square: pass square_scores (the key scores' SQUARE variant);
-    skip: pass score_skip and the positions (KVC-full's SKIP variant)."""
+    skip: pass score_skip and the positions (KVC-full's SKIP variant); splits: the prefill's
+    contexts cut into that many (its SPLIT variant and the merge)."""
     from kernels import decode_num_splits
     from kernels.attention.decode import paged_decode_attention_triton
     from kernels.attention.key_scores import accumulate_key_scores_triton
@@ -206,7 +207,7 @@ def _attention_case(kind: str, shape: str, dtype: str, block_size: int, query_le
             return
         cu_seqlens = torch.tensor([0, query_len, 2 * query_len], dtype=torch.int32)
         out, lse = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens, lens, 0.1, return_lse=True,
-                                          max_query_len=query_len, kv_scales=kv_scales)
+                                          max_query_len=query_len, kv_scales=kv_scales, num_splits=splits)
         if kind == "key_scores":
             accumulate_key_scores_triton(q, k_cache, score_cache, tables, cu_seqlens, lens, lse, 0.1,
                                          max_query_len=query_len, max_context_len=4096, kv_scales=kv_scales,
@@ -270,6 +271,9 @@ def default_cases() -> dict[str, Callable[[], None]]:
         cases[f"key scores 512, {tag}"] = _attention_case("key_scores", shape, dtype, block_size, query_len=512)
     cases["prefill 2 (short tile), llama-3.1-8b bf16 block 16"] = _attention_case(
         "prefill", "llama-3.1-8b", "bf16", 16, query_len=2)
+    for shape, dtype in (("llama-3.1-8b", "bf16"), ("smollm2-135m", "fp32")):   # block-wise prefill's chunks
+        cases[f"prefill 64, split 4, {shape} {dtype} block 16"] = _attention_case(
+            "prefill", shape, dtype, 16, query_len=64, splits=4)
     # Squared scores (KV-Compress): the SQUARE variants of the score kernels, and with SKIP (KVC-full).
     for shape, dtype in (("llama-3.1-8b", "bf16"), ("smollm2-135m", "fp32")):
         tag = f"{shape} {dtype} block 16"

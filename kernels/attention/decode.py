@@ -13,13 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.tiles import (LN2, LOG2E, MIN_BLOCK_M, check_cache, dot_config, kv_tile, load_kv_scales,
-                                     load_kv_tile, online_softmax_step, slot_pages)
+from kernels.attention.tiles import (LN2, LOG2E, MIN_BLOCK_M, MIN_SPLIT, check_cache, dot_config, kv_tile,
+                                     load_kv_scales, load_kv_tile, online_softmax_step, slot_pages, split_range)
 from kernels.kv_store import kernel_view
 
-# Slots: shorter splits cost more than the parallelism they add. Measured on an H200 (docs/PERF.md),
-# batch 1, context 4k: 16 splits of 256 slots 20.5 us, 64 splits of 64 slots 35 us.
-MIN_SPLIT = 256
 
 
 @dataclass
@@ -63,22 +60,6 @@ def logits_scratch(num_pages: int, group: int, block_size: int, device: torch.de
     return torch.empty(num_pages, group, block_size, dtype=torch.float32, device=device)
 
 
-@triton.jit
-def _split_range(context_len_ptr, split, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """The slots [start, end) of one split of a (sequence, KV head)'s context, whose length
-    is at context_len_ptr, the split length, and the context length.
-
-    Each (sequence, KV head) cuts its *own* context into num_splits ranges, each a
-    whole number of tiles and at least MIN_SPLIT slots (so a short context uses only
-    its first few splits): the grid depends on shapes alone, for CUDA graphs,
-    while the work follows the real context lengths.
-    """
-    context_len = tl.load(context_len_ptr)
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N, MIN_SPLIT)
-    start = split * split_len
-    return start, tl.minimum(start + split_len, context_len), split_len, context_len
-
-
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, scales_ptr, table_ptr, context_lens_ptr, part_out_ptr, part_lse_ptr, logits_ptr,
@@ -90,14 +71,14 @@ def _decode_split_kernel(
         G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, SAVE_LOGITS: tl.constexpr, QUANTIZED: tl.constexpr):
     """One program: the G query heads of one KV head of one sequence, against
-    one split of its context (_split_range).
+    one split of its context (split_range).
 
     Grid (B, Hkv, num_splits), fixed by shapes alone. A split that starts past
     the context runs no iteration and writes the neutral partial (output 0,
     lse -inf).
     """
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end, split_len, context_len = _split_range(context_lens_ptr + seq * stride_cl + kv_head, split,
+    start, end, split_len, context_len = split_range(context_lens_ptr + seq * stride_cl + kv_head, split,
                                                       num_splits, BLOCK_N, MIN_SPLIT)
 
     rows = tl.arange(0, BLOCK_M)                      # query heads of the group, padded to BLOCK_M
@@ -166,7 +147,7 @@ def _decode_merge_kernel(
     least score_skip[seq] positions before it (KVC-full).
     """
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end, split_len, context_len = _split_range(context_lens_ptr + seq * stride_cl + kv_head, split,
+    start, end, split_len, context_len = split_range(context_lens_ptr + seq * stride_cl + kv_head, split,
                                                       num_splits, BLOCK_N, MIN_SPLIT)
     if SCORES:
         counts = tl.load(score_from_ptr + seq) <= 0
@@ -246,7 +227,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     as paged_attention_ref with cu_seqlens_q = arange(B + 1).
 
     Flash-decoding: each sequence's context is cut into up to num_splits
-    ranges (_split_range), processed in parallel and combined by a merge
+    ranges (split_range), processed in parallel and combined by a merge
     kernel. Every launch parameter follows from shapes, never from context
     lengths, so a CUDA graph captured once replays correctly for any context
     lengths that fit the table. A KV head with context length 0 (graph padding)

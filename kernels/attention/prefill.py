@@ -1,39 +1,51 @@
 """Paged attention in Triton for prefill, chunked prefill and the prompt chunks of
 mixed batches: a flash-attention kernel over the page tables (the building
-blocks, and the ideas behind them, are in tiles.py)."""
+blocks, and the ideas behind them, are in tiles.py).
+
+A batch of short chunks over long contexts (block-wise prefill: 64 tokens at a time over
+|kv| held pairs) has few query tiles to fill the GPU with, so each (sequence, KV head)'s
+context can be cut into splits taken by programs in parallel, as flash-decoding does
+(tiles.split_range), their partial results merged after by their log-sum-exps.
+"""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.tiles import (LN2, LOG2E, MIN_BLOCK_M, check_cache, dot_config, kv_tile, load_kv_scales,
-                                     load_kv_tile, online_softmax_step, slot_pages)
+from kernels.attention.tiles import (LN2, LOG2E, MIN_BLOCK_M, MIN_SPLIT, check_cache, dot_config, kv_tile,
+                                     load_kv_scales, load_kv_tile, online_softmax_step, slot_pages, split_range)
 from kernels.kv_store import kernel_view
 
 PREFILL_BLOCK_M = 64   # query rows (tokens x heads of a group) of a tile; MIN_BLOCK_M for short chunks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, scales_ptr, out_ptr, lse_ptr, table_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-        qk_scale,                                     # softmax scale * log2(e)
+        qk_scale, num_splits,                         # softmax scale * log2(e); splits of each context
         stride_qt, stride_qh, stride_kp, stride_ks, stride_vp, stride_vs, stride_qsp, stride_qss,
-        stride_ot, stride_oh, stride_lt, stride_table_b, stride_table_h, stride_cl,
+        stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_table_b, stride_table_h, stride_cl,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr):
-    """One program: BLOCK_Q query tokens of one sequence x the G query heads of one KV head.
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr, SPLIT: tl.constexpr,
+        MIN_SPLIT: tl.constexpr):
+    """One program: BLOCK_Q query tokens of one sequence x the G query heads of one KV head,
+    against one split of that head's context (all of it when not SPLIT).
 
-    Grid (B, cdiv(max_query_len, BLOCK_Q), Hkv); programs past the end of
-    their sequence's queries return at once.
+    Grid (B, cdiv(max_query_len, BLOCK_Q), Hkv * num_splits); programs past the end of
+    their sequence's queries return at once. SPLIT: out and lse are the partials
+    [T, Hq, num_splits, D] and [T, Hq, num_splits] (lse in log2 units, -inf for a row that
+    sees no slot of its split) that _merge_splits_kernel combines; else the results.
     """
-    seq, q_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq, q_tile = tl.program_id(0), tl.program_id(1)
+    kv_head, split = tl.program_id(2) // num_splits, tl.program_id(2) % num_splits
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return
-    context_len = tl.load(context_lens_ptr + seq * stride_cl + kv_head)
+    start, end, split_len, context_len = split_range(context_lens_ptr + seq * stride_cl + kv_head, split,
+                                                     num_splits, BLOCK_N, MIN_SPLIT)
     prior = context_len - q_len                       # this head's slots cached before this chunk
 
     rows = tl.arange(0, BLOCK_M)
@@ -53,13 +65,12 @@ def _paged_attention_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
 
-    # The last query of this tile sees up to slot kv_end - 1. Every query sees
-    # slot 0, so each row has a finite score in the first tile.
-    kv_end = prior + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    # The last query of this tile sees up to slot kv_end - 1.
+    kv_end = tl.minimum(prior + tl.minimum(q_len, (q_tile + 1) * BLOCK_Q), end)
     table = table_ptr + seq * stride_table_b + kv_head * stride_table_h
-    slots = tl.arange(0, BLOCK_N)
+    slots = start + tl.arange(0, BLOCK_N)
     pages = slot_pages(table, slots, slots < kv_end, BLOCK_SIZE)
-    for n in range(0, kv_end, BLOCK_N):
+    for n in range(start, kv_end, BLOCK_N):
         slots = n + tl.arange(0, BLOCK_N)
         slot_valid = slots < kv_end
         k, v = load_kv_tile(k_ptr, v_ptr, pages, slots, slot_valid, dims, dim_valid, BLOCK_SIZE,
@@ -72,10 +83,55 @@ def _paged_attention_kernel(
         s = tl.where(visible, s, float("-inf"))
         acc, m, l = online_softmax_step(acc, m, l, s, v, v_scale, DOT_PRECISION)
 
-    out = acc / l[:, None]
+    empty = l == 0.0                                  # no slot of this split visible to the row
+    out = acc / tl.where(empty, 1.0, l)[:, None]
+    lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))   # log2 units
+    out_at = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + dims[None, :]
+    lse_at = lse_ptr + q_rows * stride_lt + head * stride_lh + split
+    if SPLIT:
+        tl.store(out_at, out, mask=row_valid[:, None] & dim_valid[None, :])
+        tl.store(lse_at, lse, mask=row_valid)
+    else:
+        tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+        tl.store(lse_at, lse * LN2, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, cu_seqlens_q_ptr, num_splits,
+                         stride_pot, stride_poh, stride_pos, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, G: tl.constexpr,
+                         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Combine the splits of the rows _paged_attention_kernel's program (seq, q_tile, kv_head)
+    wrote: split i's output is weighted by exp2(lse_i - lse), its share of the whole
+    denominator. Grid (B, cdiv(max_query_len, BLOCK_Q), Hkv)."""
+    seq, q_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    rows = tl.arange(0, BLOCK_M)
+    token = q_tile * BLOCK_Q + rows // G
+    head = kv_head * G + rows % G
+    row_valid = (rows // G < BLOCK_Q) & (token < q_len)
+    q_rows = (q_start + token).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
+    lse_row = part_lse_ptr + q_rows * stride_plt + head * stride_plh
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for i in range(0, num_splits):
+        m = tl.maximum(m, tl.load(lse_row + i, mask=row_valid, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)          # padding rows
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    part = part_out_ptr + q_rows[:, None] * stride_pot + head[:, None] * stride_poh + dims[None, :]
+    for i in range(0, num_splits):
+        weight = tl.exp2(tl.load(lse_row + i, mask=row_valid, other=float("-inf")) - m)
+        total += weight
+        acc += weight[:, None] * tl.load(part + i * stride_pos, mask=mask, other=0.0)
+    total = tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
-    tl.store(lse_ptr + q_rows * stride_lt + head, (m + tl.log2(l)) * LN2, mask=row_valid)
+             (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + q_rows * stride_lt + head, (m + tl.log2(total)) * LN2, mask=row_valid)
 
 
 def prefill_tiles(dtype: torch.dtype, max_query_len: int, group: int) -> tuple[int, int, int]:
@@ -92,7 +148,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            page_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                            context_lens: torch.Tensor, scale: float, return_lse: bool = False,
                            max_query_len: int | None = None, out: torch.Tensor | None = None,
-                           kv_scales: torch.Tensor | None = None):
+                           kv_scales: torch.Tensor | None = None, num_splits: int = 1):
     """Same contract as paged_attention_ref: q [T, Hq, D] -> out [T, Hq, D] in q's
     dtype, and with return_lse also lse [T, Hq] fp32 (natural log of each
     query's softmax denominator).
@@ -104,6 +160,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     written, so a caller may hand this kernel some sequences of a batch
     (cu_seqlens_q and the tables sliced, q and out whole) and the others to
     flash-decoding. kv_scales: the scales of a quantized cache (kernels/kv_store.py).
+    num_splits: the parts each (sequence, KV head)'s context is cut into, taken in parallel
+    and merged (kernels.prefill_num_splits chooses); 1: each query tile walks it all.
     """
     scales = check_cache(q, k_cache, v_cache, kv_scales, page_tables, context_lens)
     T, Hq, D = q.shape
@@ -119,13 +177,22 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_q = block_m // G
         upcast, precision = dot_config(q.dtype)
         grid = (B, triton.cdiv(max_query_len, block_q), Hkv)
-        _paged_attention_kernel[grid](
-            q, kernel_view(k_cache), kernel_view(v_cache), scales, out, lse, page_tables, cu_seqlens_q, context_lens,
-            scale * LOG2E,
+        split = num_splits > 1
+        if split:   # each split's partial output and log2-sum-exp, merged below
+            part_out = torch.empty(T, Hq, num_splits, D, dtype=torch.float32, device=q.device)
+            part_lse = torch.empty(T, Hq, num_splits, dtype=torch.float32, device=q.device)
+        else:
+            part_out, part_lse = out.unsqueeze(2), lse.unsqueeze(2)   # [T, Hq, 1, D]: the results themselves
+        common = dict(HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), G=G, BLOCK_Q=block_q, BLOCK_M=block_m)
+        _paged_attention_kernel[grid[:2] + (Hkv * num_splits,)](
+            q, kernel_view(k_cache), kernel_view(v_cache), scales, part_out, part_lse, page_tables, cu_seqlens_q,
+            context_lens, scale * LOG2E, num_splits,
             q.stride(0), q.stride(1), *k_cache.stride()[:2], *v_cache.stride()[:2], *scales.stride()[:2],
-            out.stride(0), out.stride(1), lse.stride(0), *page_tables.stride()[:2], context_lens.stride(0),
-            HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size,
-            G=G, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-            UPCAST=upcast, DOT_PRECISION=precision, QUANTIZED=kv_scales is not None,
-            num_warps=num_warps)
+            *part_out.stride()[:3], *part_lse.stride()[:2], *page_tables.stride()[:2], context_lens.stride(0),
+            BLOCK_SIZE=block_size, BLOCK_N=block_n, UPCAST=upcast, DOT_PRECISION=precision,
+            QUANTIZED=kv_scales is not None, SPLIT=split, MIN_SPLIT=MIN_SPLIT, num_warps=num_warps, **common)
+        if split:
+            _merge_splits_kernel[grid](part_out, part_lse, out, lse, cu_seqlens_q, num_splits,
+                                       *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
+                                       lse.stride(0), num_warps=4, **common)
     return (out, lse) if return_lse else out

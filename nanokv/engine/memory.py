@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+import kernels
 from models import KVCache, ModelConfig
 from nanokv.config import EngineConfig
 from nanokv.engine import evict
@@ -55,7 +56,7 @@ def free_for_pool(config: EngineConfig, model: ModelConfig, kv_dtype: torch.dtyp
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     used_by_others = total - free - torch.cuda.memory_reserved(device)
-    reserve = memory_reserve(model, config, kv_dtype, graphs, total)
+    reserve = memory_reserve(model, config, kv_dtype, graphs, total, device)
     budget = total * config.gpu_memory_utilization - used_by_others - peak - graph_activations - sum(reserve.values())
     return max(int(budget), 0)
 
@@ -68,15 +69,17 @@ def profile_lengths(config: EngineConfig) -> list[int]:
 
 
 def memory_reserve(model: ModelConfig, config: EngineConfig, kv_dtype: torch.dtype, graphs: bool,
-                   total_memory: int) -> dict[str, int]:
+                   total_memory: int, device: torch.device) -> dict[str, int]:
     """Bytes a run allocates on top of the K/V pool and of what the profiling pass measures
     (the weights and the largest step's activations, logits, prompt logprobs and sampling):
     each step's page tables, the decode graphs' copies of them, eviction's pieces
-    (evict.py) and a margin for the allocator."""
+    (evict.py), a split prefill's partial results (short chunks: the profiling pass runs
+    long ones) and a margin for the allocator."""
     L, H = model.num_layers, model.num_kv_heads
     tables = config.max_num_seqs * L * H * -(-config.max_model_len // config.block_size) * 4
     reserve = {"step page tables": tables,
                "eviction": evict.reserve_bytes(H, model.head_dim, kv_dtype, config.max_model_len),
+               "split prefill": kernels.prefill_split_bytes(model.head_dim, device),
                "allocator margin": int(ALLOCATOR_MARGIN * total_memory)}
     if graphs:
         reserve["decode graph inputs"] = DecodeGraphs.buffer_bytes(L, H, config.max_num_seqs, config.max_model_len,

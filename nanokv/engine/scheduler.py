@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from nanokv.config import EngineConfig
 from nanokv.engine.block_manager import BlockManager
@@ -71,8 +72,7 @@ class ScheduledBatch:
         self.saves += pairs
 
 
-@dataclass
-class StepRoom:
+class StepRoom(NamedTuple):
     """What seq's next step takes (Scheduler._step_room): the eviction before it, the slots
     left after that, the tokens it runs, the blocks it keeps after an eviction and the slots
     it needs blocks for."""

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from kernels import decode_num_splits, decode_workspace_for
+from kernels import decode_num_splits, decode_workspace_for, prefill_num_splits
 from kernels.activation import silu_and_mul_triton
 from kernels.attention.decode import decode_workspace, paged_decode_attention_triton
 from kernels.attention.prefill import paged_attention_triton
@@ -134,7 +134,9 @@ def bench_prefill() -> list[dict]:
         k, v, tables, lens = paged_kv(1, ctx, hkv, d, block, dtype)
         q = torch.randn(q_len, hq, d, device="cuda", dtype=dtype)
         cu = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
-        t = ms(lambda: paged_attention_triton(q, k, v, tables, cu, lens, d ** -0.5, max_query_len=q_len))
+        splits = prefill_num_splits(1, q_len, hkv, hq // hkv, dtype, ctx, q.device)
+        t = ms(lambda: paged_attention_triton(q, k, v, tables, cu, lens, d ** -0.5, max_query_len=q_len,
+                                              num_splits=splits))
         kc, vc = contiguous_kv(k, tables, ctx), contiguous_kv(v, tables, ctx)
         qs = q.transpose(0, 1)[None]   # [1, Hq, q_len, D]
         # causal with the queries at the end of the context: an explicit offset mask is not flash,
@@ -144,14 +146,15 @@ def bench_prefill() -> list[dict]:
                                                                enable_gqa=True))
         visible = q_len * ctx - (q_len * (q_len - 1)) // 2   # (query, key) pairs under the causal mask
         flops = 4 * visible * d * hq
-        records.append(dict(kind="prefill", case=name, query_len=q_len, context=ctx, us=t * 1e3,
+        records.append(dict(kind="prefill", case=name, query_len=q_len, context=ctx, splits=splits, us=t * 1e3,
                             tflops=flops / t / 1e9, sdpa_tflops=flops / t_sdpa / 1e9, vs_sdpa=t_sdpa / t))
     return records
 
 
 def prefill_table(records: list[dict]) -> list[str]:
-    return ["| case | nanokv TFLOP/s | SDPA flash TFLOP/s | nanokv / SDPA |", "| --- | --- | --- | --- |"] + [
-        f"| {r['case']} | {r['tflops']:.0f} | {r['sdpa_tflops']:.0f} | {r['vs_sdpa']:.2f} |" for r in records]
+    return ["| case | splits | nanokv TFLOP/s | SDPA flash TFLOP/s | nanokv / SDPA |", "| --- | --- | --- | --- | --- |"] + [
+        f"| {r['case']} | {r['splits']} | {r['tflops']:.0f} | {r['sdpa_tflops']:.0f} | {r['vs_sdpa']:.2f} |"
+        for r in records]
 
 
 def bench_elementwise(bw: float) -> list[dict]:

@@ -6,8 +6,8 @@ prefill.py's tiles) is made from.
 
 Decode (bf16 cache at batch 1, 16 and 64, contexts 1k and 4k; int8 at batch 16 and 64):
 the split count (the rule's, then powers of two), then key tile x warps x pipeline stages.
-Prefill (a 64-token chunk over 1k and 4k, a full 4k prefill): query tile x key tile x warps
-x stages. Each variant's output is checked against the shipped launch's before it is
+Prefill (a 64-token chunk over 1k and 4k, a full 4k prefill): the split count (the rule's, then
+powers of two), then query tile x key tile x warps x stages. Each variant's output is checked against the shipped launch's before it is
 timed (kernel_bench.ms: graph replays); a variant that does not compile (shared memory) is
 listed as such. Lines print, and append to --out, as they are measured, so a run cut short
 keeps what it has; past --budget-s no new group starts.
@@ -22,7 +22,7 @@ from unittest import mock
 
 import torch
 
-from kernels import decode_num_splits
+from kernels import decode_num_splits, prefill_num_splits
 from kernels.attention import decode, prefill
 from kernels.attention.decode import decode_workspace, paged_decode_attention_triton
 from kernels.attention.prefill import paged_attention_triton
@@ -58,10 +58,12 @@ def decode_case(batch: int, ctx: int, int8: bool):
 
 
 def prefill_case(q_len: int, ctx: int):
+    """A prefill call's inputs and a function of (num_splits) that runs it."""
     k, v, tables, lens = paged_kv(1, ctx, HKV, D, BLOCK, torch.bfloat16)
     q = torch.randn(q_len, HQ, D, device="cuda", dtype=torch.bfloat16)
     cu = torch.tensor([0, q_len], device="cuda", dtype=torch.int32)
-    return lambda: paged_attention_triton(q, k, v, tables, cu, lens, D ** -0.5, max_query_len=q_len)
+    return lambda splits: paged_attention_triton(q, k, v, tables, cu, lens, D ** -0.5, max_query_len=q_len,
+                                                 num_splits=splits)
 
 
 def timed(fn, reference: torch.Tensor) -> dict:
@@ -99,15 +101,24 @@ def decode_groups():
 
 
 def prefill_groups():
-    for q_len, ctx in ((64, 1024), (64, 4096), (4096, 4096)):
-        run = prefill_case(q_len, ctx)
-        reference = run()
+    cases = [(q_len, ctx, prefill_case(q_len, ctx)) for q_len, ctx in ((64, 1024), (64, 4096), (4096, 4096))]
+    rules = {(q_len, ctx): prefill_num_splits(1, q_len, HKV, HQ // HKV, torch.bfloat16, ctx, torch.device("cuda"))
+             for q_len, ctx, _ in cases}
+    for q_len, ctx, run in cases:
+        rule = rules[q_len, ctx]
+        reference = run(rule)
+        for splits in dict.fromkeys([rule, 1, 2, 4, 8, 16]):
+            yield "prefill splits", f"chunk {q_len} ctx {ctx}", f"splits {splits}{' (rule)' if splits == rule else ''}", \
+                (lambda run=run, splits=splits: run(splits)), reference
+    for q_len, ctx, run in cases:
+        reference = run(rules[q_len, ctx])
         for block_m, block_n, warps, stages in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3)):
-            def variant(run=run, block_m=block_m, block_n=block_n, warps=warps, stages=stages):
+            def variant(run=run, rule=rules[q_len, ctx], block_m=block_m, block_n=block_n, warps=warps,
+                        stages=stages):
                 with mock.patch.object(prefill, "prefill_tiles", lambda *a: (block_m, block_n, warps)), \
                         mock.patch.object(prefill, "_paged_attention_kernel",
                                           Staged(prefill._paged_attention_kernel, stages)):
-                    return run()
+                    return run(rule)
             yield "prefill tiles", f"chunk {q_len} ctx {ctx}", \
                 f"BLOCK_M {block_m} BLOCK_N {block_n} warps {warps} stages {stages}", variant, reference
 

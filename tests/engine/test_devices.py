@@ -111,7 +111,8 @@ def test_each_step_page_tables_fit_the_reserve(tiny_dir, monkeypatch):
     """The step's page tables [L, B, Hkv, W], built once per step, at most what memory_reserve
     counts: exactly that when max_num_seqs sequences reach max_model_len."""
     llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=128, max_num_seqs=4)
-    reserve = memory.memory_reserve(llm.model_config, llm.config, torch.float32, graphs=False, total_memory=0)
+    reserve = memory.memory_reserve(llm.model_config, llm.config, torch.float32, graphs=False, total_memory=0,
+                                    device=llm.device)
     sizes = []
     prepare = llm.runner.prepare
     monkeypatch.setattr(llm.runner, "prepare", lambda batch, *rest: (
@@ -119,7 +120,8 @@ def test_each_step_page_tables_fit_the_reserve(tiny_dir, monkeypatch):
     prompts = [torch.randint(0, VOCAB, (110,)).tolist() for _ in range(4)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     assert max(sizes) == reserve["step page tables"] == 2 * 4 * 2 * (128 // 16) * 4
-    assert set(reserve) == {"step page tables", "eviction", "allocator margin"}
+    assert set(reserve) == {"step page tables", "eviction", "split prefill", "allocator margin"}
+    assert reserve["split prefill"] == 0   # the CPU backend takes no split
 
 
 def test_decode_graph_inputs_are_counted_before_the_pool(tiny_dir, monkeypatch):

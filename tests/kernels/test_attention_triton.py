@@ -19,6 +19,7 @@ from helpers import KERNEL_DEVICE
 from kernels.attention.decode import MIN_SPLIT, decode_workspace, logits_scratch, paged_decode_attention_triton
 from kernels.attention.prefill import paged_attention_triton
 from kernels.attention.reference import paged_attention_ref
+from kernels.kv_store import quantize
 
 
 @pytest.fixture(autouse=True)
@@ -102,19 +103,25 @@ def test_reference_matches_dense():
     assert_close(lse, dense_lse, 1e-5, "lse")
 
 
-def check_mixed_batch(dtype, G, head_dim, block_size, num_kv_heads, device, chunks=None):
+def check_mixed_batch(dtype, G, head_dim, block_size, num_kv_heads, device, chunks=None, num_splits=1, cache=None):
     chunks = chunks or mixed_chunks(block_size)
     q, cu_seqlens_q, context_lens = varlen_batch(chunks, num_kv_heads, G, head_dim, dtype, device)
     width = -(-int(context_lens.max()) // block_size) + 2
     num_pages = len(chunks) * num_kv_heads * width
     k_cache, v_cache = make_cache(num_pages, block_size, head_dim, dtype, device)
+    scales = None
+    if cache is not None:   # the kernel reads the 8-bit values, the reference their dequantized copy
+        fmt = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[cache]
+        (k_cache, k_scale), (v_cache, v_scale) = (quantize(x, fmt) for x in (k_cache, v_cache))
+        scales = torch.stack([k_scale, v_scale], dim=-1)
     tables = scattered_tables(context_lens, block_size, num_pages, width)
     scale = head_dim ** -0.5
     max_query_len = max(n for _, n in chunks)
     out, lse = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
-                                      return_lse=True, max_query_len=max_query_len)
+                                      return_lse=True, max_query_len=max_query_len, num_splits=num_splits,
+                                      kv_scales=scales)
     ref_out, ref_lse = paged_attention_ref(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, scale,
-                                           return_lse=True)
+                                           return_lse=True, kv_scales=scales)
     assert out.dtype == dtype and lse.dtype == torch.float32
     out_tol, lse_tol = TOL[dtype]
     assert_close(out, ref_out, out_tol, "out")
@@ -152,6 +159,38 @@ def test_decode_rows_only(G):
                                               max_query_len=1), out)
 
 
+# Short chunks over long contexts (block-wise prefill), each context cut into splits: ragged heads,
+# a fresh prompt, chunks spanning several query tiles and splits, a single query.
+SPLIT_CHUNKS = [(0, 5), (230, 40), (700, 20), (900, 1)]   # (230, 40): split 1 starts mid-chunk
+
+
+@pytest.mark.parametrize("dtype,G,num_splits", [(torch.float32, 1, 2), (torch.float16, 3, 5), (torch.bfloat16, 4, 3),
+                                                (torch.float16, 8, 7)], ids=param_id)
+def test_split_chunks(dtype, G, num_splits):
+    """Every split's partial result merged: the reference's output and log-sum-exp, also where a
+    split lies past a query (it sees none of it) and where splits outnumber a context's."""
+    check_mixed_batch(dtype, G, 64, 16, num_kv_heads=2, device=KERNEL_DEVICE, chunks=SPLIT_CHUNKS,
+                      num_splits=num_splits)
+
+
+@pytest.mark.parametrize("cache", ["int8", "fp8"])
+def test_split_chunks_over_a_quantized_cache(cache):
+    check_mixed_batch(torch.float16, 4, 64, 16, num_kv_heads=2, device=KERNEL_DEVICE, chunks=SPLIT_CHUNKS,
+                      num_splits=4, cache=cache)
+
+
+def test_prefill_splits_fill_the_gpu_where_the_batch_does_not():
+    """kernels.prefill_num_splits: a long prefill, or many chunks, takes one split; a few short
+    chunks over long contexts take as many as fill the GPU's programs, each of MIN_SPLIT slots."""
+    gpu = torch.device("cuda", 0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "decode_programs", lambda device: 4 * 3 * 132)
+        splits = lambda seqs, q_len, ctx: kernels.prefill_num_splits(seqs, q_len, 8, 4, torch.bfloat16, ctx, gpu)
+        assert splits(1, 4096, 4096) == 1                    # 256 query tiles x 8 heads: enough
+        assert splits(1, 64, 4096) == 4096 // MIN_SPLIT      # 4 tiles x 8 heads: every split the context has
+        assert splits(28, 64, 1088) == 2                     # block-wise prefill at batch 28
+        assert splits(128, 64, 1088) == 1
+        assert splits(1, 64, 100) == 1
 # ----------------------------------------------------------------------------
 # Decode: split + merge, and key scores
 # ----------------------------------------------------------------------------
@@ -314,6 +353,20 @@ def test_decode_splits_follow_each_context():
     assert used == [[0, 1, 1, 2, 3, 7], [7, 3, 2, 1, 1, 0]]
 
 
+def on_both_backends(attend, score_shape) -> dict:
+    """backend -> (out, scores) of attend(scores), a kernels.paged_attention call adding to a
+    fresh score cache, on the references and on the Triton kernels."""
+    results, before = {}, kernels.forced_backend()
+    try:
+        for backend in ("torch", "triton"):
+            kernels.set_backend(backend)
+            scores = torch.zeros(score_shape, device=KERNEL_DEVICE)
+            results[backend] = attend(scores), scores
+    finally:
+        kernels.set_backend(before)
+    return results
+
+
 def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
     """kernels.paged_attention with the decodes first: their rows go to flash-decoding,
     the chunks to the prefill kernel; out and the key scores (plain and squared, KVC-full's
@@ -331,25 +384,39 @@ def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
     real_decode = kernels.paged_decode_attention_triton
     monkeypatch.setattr(kernels, "paged_decode_attention_triton",
                         lambda q, *args, **kw: launched.append(q.shape[0]) or real_decode(q, *args, **kw))
-    results = {}
-    before = kernels.forced_backend()
-    try:
-        for backend in ("torch", "triton"):
-            kernels.set_backend(backend)
-            scores = torch.zeros(k_cache.shape[:2], device=KERNEL_DEVICE)
-            out = kernels.paged_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
-                                          max_query_len=45, max_context_len=64, num_decodes=3, score_cache=scores,
-                                          square_scores=square, score_skip=skip[0], positions=skip[1],
-                                          pos_cache=skip[2])
-            results[backend] = out, scores
-    finally:
-        kernels.set_backend(before)
+    results = on_both_backends(lambda scores: kernels.paged_attention(
+        q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125, max_query_len=45, max_context_len=64,
+        num_decodes=3, score_cache=scores, square_scores=square, score_skip=skip[0], positions=skip[1],
+        pos_cache=skip[2]), k_cache.shape[:2])
     assert launched == [3]
     assert_close(results["triton"][0], results["torch"][0], TOL[torch.float32][0], "out")
     assert_close(results["triton"][1], results["torch"][1], SCORE_TOL[torch.float32], "scores")
     expected = dense_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
                                square_scores=square, skip=skip)[2]
     assert_close(results["triton"][1], expected, SCORE_TOL[torch.float32], "scores")
+
+
+def test_a_step_of_short_chunks_over_long_contexts_splits_them(monkeypatch):
+    """kernels.paged_attention on a GPU's aim of programs (few query tiles): the chunks' contexts
+    are split, and out and the key scores (from the merged log-sum-exps) match the references."""
+    block_size, Hkv, G, D = 16, 2, 4, 64
+    chunks = [(600, 20), (280, 30)]
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv, G, D, torch.float32, KERNEL_DEVICE)
+    width = 40
+    k_cache, v_cache = make_cache(len(chunks) * Hkv * width, block_size, D, torch.float32, KERNEL_DEVICE)
+    tables = scattered_tables(context_lens, block_size, len(k_cache), width)
+    monkeypatch.setattr(kernels, "decode_programs", lambda device: 4 * 3 * 132)   # an H100's aim
+    splits = []
+    real_prefill = kernels.paged_attention_triton
+    monkeypatch.setattr(kernels, "paged_attention_triton",
+                        lambda *args, num_splits, **kw: splits.append(num_splits) or real_prefill(
+                            *args, num_splits=num_splits, **kw))
+    results = on_both_backends(lambda scores: kernels.paged_attention(
+        q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125, max_query_len=30, max_context_len=620,
+        score_cache=scores), k_cache.shape[:2])
+    assert splits == [3]   # 620 slots: 3 splits of at least MIN_SPLIT
+    assert_close(results["triton"][0], results["torch"][0], TOL[torch.float32][0], "out")
+    assert_close(results["triton"][1], results["torch"][1], SCORE_TOL[torch.float32], "scores")
 
 
 # ----------------------------------------------------------------------------
@@ -359,9 +426,11 @@ def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=param_id)
 @pytest.mark.parametrize("G,head_dim,block_size", [(1, 128, 16), (3, 64, 16), (4, 128, 32), (8, 128, 256)])
-def test_mixed_batch_gpu(dtype, G, head_dim, block_size):
-    chunks = mixed_chunks(block_size) + [(1000, 300), (0, 513), (2047, 1)]
-    check_mixed_batch(dtype, G, head_dim, block_size, num_kv_heads=4, device=KERNEL_DEVICE, chunks=chunks)
+@pytest.mark.parametrize("num_splits", [1, 6])
+def test_mixed_batch_gpu(dtype, G, head_dim, block_size, num_splits):
+    chunks = mixed_chunks(block_size) + [(1000, 300), (0, 513), (2047, 1), (4900, 64)]
+    check_mixed_batch(dtype, G, head_dim, block_size, num_kv_heads=4, device=KERNEL_DEVICE, chunks=chunks,
+                      num_splits=num_splits)
 
 
 @pytest.mark.gpu
