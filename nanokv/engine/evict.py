@@ -61,21 +61,19 @@ class Evictor:
         self.pair_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
 
     def evict(self, evictions: list[Eviction]) -> None:
-        """Drop each eviction's pairs from every (layer, KV head) of its sequence and compact
-        the survivors into the first slots. Sequences evicting alike are done together: those
-        of one rule, slot count and eviction count (an uneven method's also of one plan of
-        blocks kept, and all evicting for the first time or none)."""
+        """Drop each eviction's pairs from every (layer, KV head) of its sequence, the survivors
+        filling the holes below each head's new length. Sequences evicting alike are done
+        together: those of one rule, slot count and eviction count; an uneven method's, of one
+        rule, whatever they hold and drop."""
         groups = defaultdict(list)
         for e in evictions:
-            seq = e.seq
-            if seq.method.uneven:
-                groups[seq.method.rule, e.num_slots, e.num_evicted, e.num_blocks_kept, seq.head_pages is None].append(e)
-            else:
-                groups[seq.method.rule, e.num_slots, e.num_evicted].append(e)
-        for (_, num_slots, num_evicted, *uneven), group in groups.items():
-            if uneven:
+            uneven = e.seq.method.uneven
+            groups[(e.seq.method.rule, True) if uneven else (e.seq.method.rule, e.num_slots, e.num_evicted)].append(e)
+        for (_, num_slots, *uniform), group in groups.items():
+            if not uniform:
                 self._evict_pages(group)
                 continue
+            num_evicted = uniform[0]
             seqs = [e.seq for e in group]
             tables = self._tables(seqs, num_slots)
             for in_piece, layers in self._pieces(len(seqs), num_slots):
@@ -128,25 +126,39 @@ class Evictor:
         held = self._held(seqs, tables, num_slots)
         return lowest(seqs[0].method.keep_priority(held), held.positions, num_evicted)
 
-    def _head_pages(self, seqs: list[Sequence], num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Uneven sequences' pages [S, L, Hkv, W] and pairs per head [S, L, Hkv] when they hold
-        num_slots slots (per head on average): their blocks' pages until their first eviction.
-        All of seqs have evicted before, or none has."""
-        if seqs[0].head_pages is None:
-            tables = self._tables(seqs, num_slots)
-            return tables, torch.full(tables.shape[:3], num_slots, device=self.device)
-        tables, lens = HeadPages.stack([seq.head_pages for seq in seqs])
-        taken = torch.tensor([num_slots - seq.head_pages.slots for seq in seqs], device=self.device)
-        return tables, lens.long() + taken[:, None, None]
+    def _head_pages(self, seqs: list[Sequence], num_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uneven sequences' pages [S, L, Hkv, W] and pairs per head [S, L, Hkv] when each holds
+        its num_slots slots (per head on average): the pages of its blocks until its first
+        eviction, its own (HeadPages) after. Narrower tables are padded with pages never read."""
+        fresh = [i for i, seq in enumerate(seqs) if seq.head_pages is None]
+        evicted = [i for i, seq in enumerate(seqs) if seq.head_pages is not None]
+        parts = []
+        if fresh:
+            tables = self._tables([seqs[i] for i in fresh], max(num_slots[i] for i in fresh))
+            lens = torch.tensor([num_slots[i] for i in fresh], device=self.device)[:, None, None]
+            parts.append((tables, lens.expand(tables.shape[:3])))
+        if evicted:
+            tables, lens = HeadPages.stack([seqs[i].head_pages for i in evicted])
+            taken = torch.tensor([num_slots[i] - seqs[i].head_pages.slots for i in evicted], device=self.device)
+            parts.append((tables, lens.long() + taken[:, None, None]))
+        width = max(tables.shape[-1] for tables, _ in parts)
+        tables = torch.cat([torch.nn.functional.pad(tables, (0, width - tables.shape[-1])) for tables, _ in parts])
+        lens = torch.cat([lens for _, lens in parts])
+        order = torch.empty(len(seqs), dtype=torch.long)
+        order[fresh + evicted] = torch.arange(len(seqs))
+        order = order.to(self.device)
+        return tables[order], lens[order]
 
     def _evict_pages(self, evictions: list[Eviction]) -> None:
         """KV-Compress: each sequence's heads go down to num_slots - num_evicted pairs each on
         average by giving up whole pages, chosen across all its heads and layers by the ranking;
-        each head's survivors move to the front of its pages (MoveCache), and its pages in
-        blocks the sequence gives back after this step move into the blocks it keeps, whose
-        unused pages are shared out among the heads. The pages' costs are computed a piece at
-        a time, then chosen over all of a sequence's, then each piece compacted."""
-        seqs, num_slots, num_evicted = [e.seq for e in evictions], evictions[0].num_slots, evictions[0].num_evicted
+        each head's survivors fill its holes (MoveCache), and its pages in blocks the sequence
+        gives back after this step move into the blocks it keeps, whose unused pages are shared
+        out among the heads. The pages' costs are computed a piece at a time, then chosen over
+        all of a sequence's, then each piece's pairs moved: the same torch ops whatever the
+        sequences hold and drop."""
+        seqs = [e.seq for e in evictions]
+        num_slots = [e.num_slots for e in evictions]
         tables, lens = self._head_pages(seqs, num_slots)
         S, L, H, width = tables.shape
         method, bs, n = seqs[0].method, self.block_size, width * self.block_size
@@ -160,7 +172,8 @@ class Evictor:
         for in_piece, layers in pieces:
             costs[in_piece, layers] = page_costs(*ranked(in_piece, layers), lens[in_piece, layers], bs,
                                                  method.floor_pages(bs))
-        evicted = self._choose_pages(costs, lens, num_slots - num_evicted, evictions)
+        kept = torch.tensor([e.num_slots - e.num_evicted for e in evictions], device=self.device)
+        evicted = self._choose_pages(costs, lens, kept, evictions)
         kept_lens = torch.empty_like(lens)
         for in_piece, layers in pieces:
             moves, kept_lens[in_piece, layers] = kept_slots(*ranked(in_piece, layers), lens[in_piece, layers],
@@ -171,22 +184,24 @@ class Evictor:
         if method.windowed:   # its scores restart (KVC-full's keep accumulating)
             self.cache.scores[tables[torch.arange(width, device=self.device) < held_pages[..., None]]] = 0.0
         kept_pages, kept_lens = held_pages - evicted, kept_lens.int()
+        blocks_kept = [e.num_blocks_kept for e in evictions]
+        staying = self._tables(seqs, max(blocks_kept) * bs)   # [S, L, H, nb]: the pages of the blocks each keeps
+        column = torch.arange(staying.shape[-1], device=self.device)
+        staying = torch.where(column < torch.tensor(blocks_kept, device=self.device)[:, None, None, None], staying,
+                              -1).flatten(1)   # -1: not a block it keeps
         for start, stop in dict.fromkeys((in_piece.start, in_piece.stop) for in_piece, _ in pieces):
-            whole = range(S)[start:stop]   # whole sequences, as many as a piece holds
-            for blocks in dict.fromkeys(evictions[i].num_blocks_kept for i in whole):
-                part = [i for i in whole if evictions[i].num_blocks_kept == blocks]
-                staying = self._tables([seqs[i] for i in part], blocks * bs).flatten(1)
-                part_tables, src, dst = repage(tables[part], kept_pages[part], staying)
-                for buffer in self.cache.per_slot:
-                    buffer[dst.long()] = buffer[src.long()]
-                self.pair_counts[1] += src.numel() * bs
-                for row, i in enumerate(part):
-                    seqs[i].head_pages = HeadPages(part_tables, kept_lens[part], row, seqs[i].num_kv_slots)
+            part = slice(start, stop)   # whole sequences, as many as a piece holds
+            part_tables, src, dst = repage(tables[part], kept_pages[part], staying[part])
+            for buffer in self.cache.per_slot:
+                buffer[dst.long()] = buffer[src.long()]
+            self.pair_counts[1] += src.numel() * bs
+            for row, seq in enumerate(seqs[part]):
+                seq.head_pages = HeadPages(part_tables, kept_lens[part], row, seq.num_kv_slots)
 
-    def _choose_pages(self, costs: torch.Tensor, lens: torch.Tensor, kept_slots: int,
+    def _choose_pages(self, costs: torch.Tensor, lens: torch.Tensor, kept_slots: torch.Tensor,
                       evictions: list[Eviction]) -> torch.Tensor:
         """The pages each head gives up [S, L, H]: each sequence's cheapest by costs [S, L, H, W]
-        until its heads hold kept_slots pairs each on average, chosen over every KV head of the
+        until its heads hold kept_slots [S] pairs each on average, chosen over every KV head of the
         model (a split model's ranks' costs and lens gathered: the same choice on every rank).
         A split model's rank whose heads keep more pages than their share of the blocks kept
         needs more of them: each eviction's num_blocks_kept grows to what its fullest rank needs,
@@ -216,7 +231,7 @@ class Evictor:
         (the engine evicts before the next chunk): it is applied."""
         n = seq.num_kv_slots
         if seq.method.uneven:
-            tables, lens = (x[0] for x in self._head_pages([seq], n))
+            tables, lens = (x[0] for x in self._head_pages([seq], [n]))
             positions = read_slots(self.cache.positions, tables[None], tables.shape[-1] * self.block_size)[0]
             slot = torch.arange(positions.shape[-1], device=self.device)
             end = torch.iinfo(positions.dtype).max   # a head's empty slots: after its pairs, then -1

@@ -78,7 +78,8 @@ def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For S sequences evicted together, whose pages are all distinct: head (s, l, h) now uses
     only the first kept[s, l, h] pages of its table [S, L, H, W]. Its pages in blocks sequence
-    s gives back move to unused pages among staying[s] (the pages of the blocks it keeps);
+    s gives back move to unused pages among staying[s] (the pages of the blocks it keeps, -1
+    where a sequence keeps fewer than another);
     then every head gets an equal share of its sequence's still unused ones, in order, for
     the tokens it reads until the next eviction.
 
@@ -93,7 +94,7 @@ def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor
     leaves = torch.zeros_like(in_use)
     leaves[in_use] = leaving
     num_leaving = leaves.flatten(1).sum(-1)                 # [S]
-    unused = ~torch.isin(staying, used)                     # [S, P]
+    unused = ~torch.isin(staying, used) & (staying >= 0)    # [S, P]
     rank = unused.cumsum(-1) - 1                            # among a sequence's unused pages
     src, dst = used[leaving], staying[unused & (rank < num_leaving[:, None])]
     used[leaving] = dst
