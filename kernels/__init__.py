@@ -165,14 +165,26 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int, 
     return split_count(batch_size, num_kv_heads, max_context_len, decode_programs(device))
 
 
+@functools.cache
+def prefill_programs(device: torch.device) -> int:
+    """The programs a split prefill launch aims for: one per SM. A program of the prefill kernel
+    holds a whole query tile, and each split writes its tile's partial output in fp32 for the
+    merge, so splits pay less than flash-decoding's: on an H200 a 64-token chunk over a 4k
+    context ran fastest in 4 splits (32 tiles x heads: 128 programs), 1.4x faster than in 16
+    (docs/PERF.md). The interpreter on a CPU: a few, so tests see several splits."""
+    if device.type != "cuda":
+        return DECODE_WAVES
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def prefill_num_splits(num_seqs: int, max_query_len: int, num_kv_heads: int, group: int, dtype: torch.dtype,
-                       max_context_len: int, device: torch.device) -> int:
+                       max_context_len: int, device: torch.device, quantized: bool = False) -> int:
     """Splits per (sequence, KV head) of the prefill kernel's contexts: split_count over the
     batch's query tiles, so a few short chunks over long contexts (block-wise prefill) fill
-    the GPU as flash-decoding does, and a long prefill takes one."""
-    block_q = prefill_tiles(dtype, max_query_len, group)[0] // group
+    the GPU's SMs, and a long prefill takes one."""
+    block_q = prefill_tiles(dtype, max_query_len, group, quantized)[0] // group
     tiles = num_seqs * -(-max_query_len // block_q)
-    return split_count(tiles, num_kv_heads, max_context_len, decode_programs(device))
+    return split_count(tiles, num_kv_heads, max_context_len, prefill_programs(device))
 
 
 def prefill_split_bytes(head_dim: int, device: torch.device) -> int:
@@ -181,7 +193,7 @@ def prefill_split_bytes(head_dim: int, device: torch.device) -> int:
     PREFILL_BLOCK_M / G, token-heads x splits < 2 x PREFILL_BLOCK_M x programs."""
     if backend(device) != "triton":
         return 0
-    return 2 * PREFILL_BLOCK_M * decode_programs(device) * (head_dim + 1) * 4
+    return 2 * PREFILL_BLOCK_M * prefill_programs(device) * (head_dim + 1) * 4
 
 
 def decode_partials(max_num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
@@ -283,7 +295,7 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
     chunks = slice(num_decodes, None)
     cu_seqlens, tables, lens = cu_seqlens_q[chunks], page_tables[chunks], context_lens[chunks]
     splits = prefill_num_splits(len(lens), max_query_len, tables.shape[1], q.shape[1] // tables.shape[1], q.dtype,
-                                max_context_len, q.device)
+                                max_context_len, q.device, kv_scales is not None)
     result = paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens, lens, scale, return_lse=want_lse,
                                     max_query_len=max_query_len, out=out, kv_scales=kv_scales, num_splits=splits)
     if want_lse:
@@ -298,5 +310,5 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
 __all__ = ["BACKENDS", "QUANT_MAX", "DecodeWorkspace", "PackedLinear", "StepPlan", "add_rms_norm", "apply_rope",
            "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits",
            "decode_partials", "decode_programs", "decode_workspace_for", "dequantize", "forced_backend", "logits_scratch",
-           "move_slots", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits", "prefill_split_bytes", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
+           "move_slots", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits", "prefill_programs", "prefill_split_bytes", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
            "set_backend", "silu_and_mul", "split_count", "store_kv"]

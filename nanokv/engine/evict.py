@@ -9,15 +9,15 @@ size and count are ranked together; an uneven method (kvcompress) gives up whole
 pages chosen across all its heads and layers, of every rank when the model is split
 (nanokv/eviction/pages.py).
 
-Ranking and moving allocate memory per held pair (held_pair_bytes), so the
-pairs are taken a piece at a time, (sequences, layers), each within PIECE_BYTES
-but at least one layer of one sequence: reserve_bytes is what the pool sizing
-sets aside for it.
+Ranking allocates memory per held pair and moving per evicted pair (piece_bytes), so
+the pairs are taken a piece at a time, (sequences, layers), each within PIECE_BYTES but at
+least one layer of one sequence: reserve_bytes is what the pool sizing sets aside for it.
+Each piece costs the same torch ops whatever it holds, so the fewer the pieces, the fewer
+the launches: a piece is as large as its bound allows.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
 
 import torch
 
@@ -26,23 +26,48 @@ from models import KVCache
 from models.tensor_parallel import Shard
 from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import HeadPages, Sequence
-from nanokv.eviction import HeldPairs
+from nanokv.eviction import HeldPairs, KVMethod
 from nanokv.eviction.holes import hole_moves, lowest
 from nanokv.eviction.pages import choose_pages, kept_slots, page_costs, repage
 
 PIECE_BYTES = 256 * 2**20
+# What ranking and choosing allocate per held pair, all of it counted (tests/eviction/test_eviction_cost.py
+# measures it): positions, scores, priorities, the selection's masks and indices; KV-Compress sorts
+# every head's slots three times over.
+RANKED_PAIR_BYTES = 96
+UNEVEN_RANKED_PAIR_BYTES = 384
 
 
-def held_pair_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
-    """The most one held pair costs while it is ranked and moved: its position, score and
-    priority, the sorts' int64 indices, its key in fp32 (knorm) and the copies of its K, V
-    and scales that compaction gathers."""
-    return 64 + head_dim * (2 * kv_dtype.itemsize + 4) + 16
+def ranked_pair_bytes(head_dim: int, kv_dtype: torch.dtype, method: KVMethod) -> int:
+    """What ranking one held pair allocates under method: a ranking that reads keys (K-norm)
+    also takes each key, dequantized, in fp32."""
+    keys = head_dim * (kv_dtype.itemsize + 4) + 4 if method.ranking.reads_keys else 0
+    return (UNEVEN_RANKED_PAIR_BYTES if method.uneven else RANKED_PAIR_BYTES) + keys
+
+
+def moved_pair_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """What moving one pair allocates: its K, V, position, score and scales gathered, and its
+    slot indices."""
+    return 2 * head_dim * kv_dtype.itemsize + 80
 
 
 def reserve_bytes(num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, max_model_len: int) -> int:
-    """What eviction allocates at most at once: a piece, or one layer of a sequence as long as it gets."""
-    return max(PIECE_BYTES, num_kv_heads * max_model_len * held_pair_bytes(head_dim, kv_dtype))
+    """What eviction allocates at most at once: a piece, or one layer of a sequence as long as it
+    gets, ranked by the costliest ranking and every pair moved."""
+    worst = max(UNEVEN_RANKED_PAIR_BYTES, RANKED_PAIR_BYTES + head_dim * (kv_dtype.itemsize + 4) + 4)
+    return max(PIECE_BYTES, num_kv_heads * max_model_len * (worst + moved_pair_bytes(head_dim, kv_dtype)))
+
+
+def pieces(num_seqs: int, num_layers: int, layer_bytes: int) -> list[tuple[slice, slice]]:
+    """(sequences, layers) of a group, each within PIECE_BYTES when one layer of one sequence
+    costs layer_bytes: whole sequences while one fits, else one sequence's layers a few at a
+    time (at least one)."""
+    layers = max(1, min(num_layers, PIECE_BYTES // layer_bytes))
+    if layers < num_layers:
+        return [(slice(s, s + 1), slice(first, first + layers))
+                for s in range(num_seqs) for first in range(0, num_layers, layers)]
+    seqs = max(1, PIECE_BYTES // (num_layers * layer_bytes))
+    return [(slice(first, first + seqs), slice(None)) for first in range(0, num_seqs, seqs)]
 
 
 def read_slots(per_slot: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
@@ -55,7 +80,6 @@ class Evictor:
     def __init__(self, cache: KVCache, shard: Shard = Shard()):
         self.cache, self.block_size, self.device = cache, cache.block_size, cache.k.device
         self.shard = shard   # a split model's replicated KV heads sum their scores over their replicas
-        self.piece_pairs = PIECE_BYTES // held_pair_bytes(cache.k.shape[-1], cache.k.dtype)
         # Since the engine started, over this rank's heads: the pairs evictions dropped and those
         # they wrote (moved into holes, whole pages repaged), counted on the device: no sync.
         self.pair_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
@@ -76,7 +100,7 @@ class Evictor:
             num_evicted = uniform[0]
             seqs = [e.seq for e in group]
             tables = self._tables(seqs, num_slots)
-            for in_piece, layers in self._pieces(len(seqs), num_slots):
+            for in_piece, layers in self._pieces(len(seqs), seqs[0].method, num_slots, num_evicted):
                 piece = tables[in_piece, layers]
                 evicted = self._evicted(seqs[in_piece], piece, num_slots, num_evicted)
                 src, dst, valid = hole_moves(evicted, num_slots)
@@ -86,19 +110,11 @@ class Evictor:
                 if seqs[0].method.windowed:   # its scores restart: the next window counts from zero
                     self.cache.scores[piece] = 0.0
 
-    def _pieces(self, num_seqs: int, num_slots: int) -> Iterator[tuple[slice, slice]]:
-        """(sequences, layers) of a group whose held pairs fit in a piece: whole sequences
-        while one fits, else one sequence's layers a few at a time (at least one)."""
-        L, H = self.cache.num_layers, self.cache.num_kv_heads
-        layers = max(1, min(L, self.piece_pairs // (H * num_slots)))
-        if layers < L:
-            for s in range(num_seqs):
-                for first in range(0, L, layers):
-                    yield slice(s, s + 1), slice(first, first + layers)
-        else:
-            seqs = max(1, self.piece_pairs // (L * H * num_slots))
-            for first in range(0, num_seqs, seqs):
-                yield slice(first, first + seqs), slice(None)
+    def _pieces(self, num_seqs: int, method: KVMethod, num_slots: int, num_evicted: int) -> list[tuple[slice, slice]]:
+        """The pieces of a group of sequences each holding num_slots pairs per head and dropping num_evicted."""
+        head_dim, dtype = self.cache.k.shape[-1], self.cache.k.dtype
+        per_head = num_slots * ranked_pair_bytes(head_dim, dtype, method) + num_evicted * moved_pair_bytes(head_dim, dtype)
+        return pieces(num_seqs, self.cache.num_layers, self.cache.num_kv_heads * per_head)
 
     def _tables(self, seqs: list[Sequence], num_slots: int) -> torch.Tensor:
         """[S, L, Hkv, nb]: each head's pages holding the sequences' first num_slots slots."""
@@ -162,7 +178,7 @@ class Evictor:
         tables, lens = self._head_pages(seqs, num_slots)
         S, L, H, width = tables.shape
         method, bs, n = seqs[0].method, self.block_size, width * self.block_size
-        pieces = list(self._pieces(S, n))
+        pieces = self._pieces(S, method, n, n)   # a head may give up all but its floor
 
         def ranked(in_piece: slice, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
             held = self._held(seqs[in_piece], tables[in_piece, layers], n, lens[in_piece, layers])

@@ -34,6 +34,7 @@ class Ranking:
     skip = 0                       # a query adds nothing to the keys fewer than `skip` positions before it
     squares_scores = False         # scores add squared probabilities (KV-Compress's L2 metric)
     uneven = False                 # heads keep different numbers of pairs: whole pages go (KV-Compress)
+    reads_keys = False             # keep_priority reads held.key_norms()
     default_schedule = "prefill"
     default_sinks = 0
 
@@ -80,6 +81,7 @@ class KeyNorm(Ranking):
     """K-norm: the keys with the lowest L2 norm draw the most attention, so they stay."""
     name = "knorm"
     default_schedule = "once"
+    reads_keys = True
 
     def keep_priority(self, held):
         return -held.key_norms()

@@ -1,13 +1,15 @@
 """What an eviction costs: it writes at most the pairs it drops (the survivors above each
 head's new length fill the holes below it), plus one block per head, for every method,
-counted as the K slots whose contents it changes; and a step's eviction runs the same torch
-ops whatever the batch and the layers, none of which waits for the device."""
+counted as the K slots whose contents it changes; it allocates no more than its pieces are
+sized by; and a step's eviction runs the same torch ops whatever the batch and the layers,
+none of which waits for the device."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import VOCAB, make_tiny_model
 from nanokv import LLM, SamplingParams
+from nanokv.engine import evict as evict_module
 
 METHODS = ["batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "kvcompress", "decode_only", "ed",
            "batchmax@decode", "h2o@once"]
@@ -52,14 +54,65 @@ def test_an_eviction_writes_at_most_what_it_drops_plus_a_block_per_head(llm, met
 
 
 class CountOps(TorchDispatchMode):
-    """Every torch op dispatched inside, by name."""
+    """Every torch op dispatched inside, by name, and the bytes of the tensors they allocate."""
     def __init__(self):
         super().__init__()
         self.ops: list[str] = []
+        self.allocated = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        for result, returned in zip(out if isinstance(out, (tuple, list)) else (out,), func._schema.returns):
+            if isinstance(result, torch.Tensor) and returned.alias_info is None:   # not a view
+                self.allocated += result.numel() * result.element_size()
+        return out
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_an_eviction_allocates_no_more_than_its_pieces_are_sized_by(llm, method, monkeypatch):
+    """Every tensor an eviction allocates, summed (more than its peak), is within what its pieces
+    count: each held pair ranked and each evicted pair moved (evict.ranked_pair_bytes,
+    moved_pair_bytes)."""
+    ranking, _, schedule = method.partition("@")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_method=ranking, kv_budget=128,
+                            evict_every=16, kv_schedule=schedule or None, **({"kv_window": 8} if ranking == "snapkv" else {}))
+    evictor, cache = llm.runner.evictor, llm.runner.kv_cache
+    calls, counted_pieces = [], []
+
+    def pieces(num_seqs, method, num_slots, num_evicted):
+        per_head = (num_slots * evict_module.ranked_pair_bytes(cache.k.shape[-1], cache.k.dtype, method)
+                    + num_evicted * evict_module.moved_pair_bytes(cache.k.shape[-1], cache.k.dtype))
+        counted_pieces.append(num_seqs * cache.num_layers * cache.num_kv_heads * per_head)
+        return sized(num_seqs, method, num_slots, num_evicted)
+
+    def counted(evictions):
+        counted_pieces.clear()
+        with CountOps() as counter:
+            evict(evictions)
+        if evictions:
+            calls.append((counter.allocated, sum(counted_pieces)))
+
+    sized, evict = evictor._pieces, evictor.evict
+    monkeypatch.setattr(evictor, "_pieces", pieces)
+    monkeypatch.setattr(evictor, "evict", counted)
+    g = torch.Generator().manual_seed(1)
+    llm.generate([torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (300, 180, 250)], params)
+    assert calls and all(allocated <= bound for allocated, bound in calls), calls
+
+
+def test_a_paper_sized_eviction_takes_few_pieces():
+    """Batch-Max at the paper's setting on the Llama-3.1-8B shape (bf16, 32 layers, 8 KV heads of
+    128): 28 sequences holding 1088 pairs a head and dropping 64 are ranked in a few pieces (each
+    runs the same ops), every (sequence, layer) exactly once."""
+    from nanokv.eviction import make_method
+    method = make_method("batchmax", "prefill", 1024, 64, 16)
+    per_head = (1088 * evict_module.ranked_pair_bytes(128, torch.bfloat16, method)
+                + 64 * evict_module.moved_pair_bytes(128, torch.bfloat16))
+    taken = evict_module.pieces(28, 32, 8 * per_head)
+    assert len(taken) <= 4
+    covered = [(s, l) for seqs, layers in taken for s in range(28)[seqs] for l in range(32)[layers]]
+    assert sorted(covered) == [(s, l) for s in range(28) for l in range(32)]
 
 
 # Ops whose result the host must wait for: a value read back, or a shape that depends on data.
