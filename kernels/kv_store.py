@@ -41,13 +41,14 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     qmax = QUANT_MAX[dtype]
     x = x.float()
     amax = x.abs().amax(dim=-1)
-    # qmax / amax divided as the kernel divides: torch computes scalar / tensor as
-    # qmax * (1 / amax), which is an ulp off a quarter of the time and then rounds y differently.
-    inv_scale = torch.full_like(amax, qmax) / torch.where(amax > 0, amax, 1.0)   # a zero row stays 0
+    # Both divisions tensor by tensor, correctly rounded as the kernel's: torch divides by a
+    # scalar as a product with its reciprocal (on a GPU), an ulp off a quarter of the time.
+    qmax_rows = torch.full_like(amax, qmax)
+    inv_scale = qmax_rows / torch.where(amax > 0, amax, 1.0)   # a zero row stays 0
     y = (x * inv_scale[..., None]).clamp(-qmax, qmax)
     if dtype == torch.int8:
         y = torch.floor(y + 0.5)
-    return y.to(dtype), amax / qmax
+    return y.to(dtype), amax / qmax_rows
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:

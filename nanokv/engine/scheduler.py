@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from nanokv.config import EngineConfig
 from nanokv.engine.block_manager import BlockManager
@@ -70,17 +69,6 @@ class ScheduledBatch:
         filled = {device for _, device in self.loads} | {device for _, device in self.copies}
         assert not filled.intersection(device for device, _ in pairs), "a step saves a block it fills first"
         self.saves += pairs
-
-
-class StepRoom(NamedTuple):
-    """What seq's next step takes (Scheduler._step_room): the eviction before it, the slots
-    left after that, the tokens it runs, the blocks it keeps after an eviction and the slots
-    it needs blocks for."""
-    evict: int
-    slots: int
-    num_tokens: int
-    blocks_kept: int
-    room: int
 
 
 class Scheduler:
@@ -141,7 +129,8 @@ class Scheduler:
         its next step (of at most budget tokens), so it is never preempted by its own step."""
         if seq.swapped is not None:
             needed = max(len(seq.swapped.host), self.blocks.blocks_for(seq.method.schedule.reserve_slots(seq)))
-            step = self.blocks.blocks_for(self._step_room(seq, budget, held=needed).room)
+            *_, room = self._step_room(seq, budget, held=needed)
+            step = self.blocks.blocks_for(room)
             return ([], needed) if self.blocks.can_allocate(max(needed, step)) else None
         hits = self._cached_prefix(seq)
         shares = seq.method.shares_blocks
@@ -194,9 +183,13 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_kv_slots = len(hits) * self.blocks.block_size
         seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
 
-    def _step_room(self, seq: Sequence, budget: int, held: int | None = None) -> StepRoom:
+    def _step_room(self, seq: Sequence, budget: int, held: int | None = None) -> tuple[int, int, int, int, int]:
         """What seq's next step of at most budget tokens takes, holding `held` blocks (None: its
-        block table's): the one count admission and planning share."""
+        block table's): the one count admission and planning share. (evict, slots, n, kept,
+        room): the eviction before it, the slots left after that, the tokens it runs, the
+        blocks it keeps after an eviction and the slots it needs blocks for. A plain tuple: this
+        runs for every sequence at every step, where building a NamedTuple costs about as much
+        as the count itself."""
         evict = seq.method.schedule.evict_count(seq)
         slots = seq.num_kv_slots - evict
         n = min(budget, seq.method.schedule.max_chunk(seq, slots))
@@ -209,18 +202,17 @@ class Scheduler:
             held = len(seq.block_table) if held is None else held
             room = max(room, min((held + kept - slots // self.blocks.block_size) * self.blocks.block_size,
                                  self.config.max_model_len))
-        return StepRoom(evict, slots, n, kept, room)
+        return evict, slots, n, kept, room
 
     def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Put seq's next chunk (and the eviction before it) in the batch; returns its
         length, 0 if seq had to be preempted for lack of blocks."""
-        step = self._step_room(seq, budget)
-        if not self._make_room(seq, step.room, batch):
+        evict, slots, n, kept, room = self._step_room(seq, budget)
+        if not self._make_room(seq, room, batch):
             return 0
-        if step.evict:
-            batch.evictions.append(Eviction(seq, step.evict, seq.num_kv_slots, step.blocks_kept))
-            seq.num_kv_slots = step.slots   # the runner compacts before the forward pass
-        n = step.num_tokens
+        if evict:
+            batch.evictions.append(Eviction(seq, evict, seq.num_kv_slots, kept))
+            seq.num_kv_slots = slots   # the runner compacts before the forward pass
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         full = (seq.num_computed_tokens + n) // self.blocks.block_size

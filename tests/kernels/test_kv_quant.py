@@ -185,21 +185,3 @@ def test_memory_accounting_counts_the_scales():
         cache = KVCache(model, 2, 16, dtype, cpu)
         allocated = [cache.k, cache.v, cache.positions, cache.scores, cache.logits, cache.kv_scales]
         assert sum(t.numel() * t.element_size() for t in allocated if t is not None) == 2 * per_block[dtype]
-
-
-# Greedy continuations on the bundled model (fp32), int8 cache against the fp32 cache. Measured
-# (48 tokens): these four agree for all 48; "Once upon a time, in a small village," diverges at
-# token 16; with fp8, two of these four diverge after 5 and 13 tokens.
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
-           "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris. It is named after"]
-
-
-def test_int8_cache_continues_as_the_fp32_cache_on_the_bundled_model(bundled_dir):
-    from nanokv import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)   # 16 of the 48 measured: time
-    outputs = [[out.token_ids for out in LLM(str(bundled_dir), dtype="float32", device=KERNEL_DEVICE,
-                                             num_kv_blocks=32, max_model_len=256,
-                                             kv_cache_dtype=kv_cache_dtype).generate(PROMPTS, params)]
-               for kv_cache_dtype in ("auto", "int8")]
-    assert outputs[0] == outputs[1]

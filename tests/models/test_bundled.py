@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from models import gguf_convert
+from nanokv import LLM, SamplingParams
 
 PARAGRAPH = (
     "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. "
@@ -232,3 +233,18 @@ def test_losing_a_race_uses_the_winners_directory(monkeypatch, tmp_path, bundled
     assert gguf_convert.bundled_model_dir() == final
     assert "loser" not in json.loads((final / "config.json").read_text())
     assert list(tmp_path.iterdir()) == [final]
+
+
+# Greedy continuations on the bundled model (fp32), int8 cache against the fp32 cache. Measured
+# (48 tokens): these four agree for all 48; "Once upon a time, in a small village," diverges at
+# token 16; with fp8, two of these four diverge after 5 and 13 tokens.
+INT8_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
+                "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris. It is named after"]
+
+
+def test_int8_cache_continues_as_the_fp32_cache_on_the_bundled_model(bundled_dir):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)   # 16 of the 48 measured: time
+    outputs = [[out.token_ids for out in LLM(str(bundled_dir), dtype="float32", num_kv_blocks=32, max_model_len=256,
+                                             kv_cache_dtype=kv_cache_dtype).generate(INT8_PROMPTS, params)]
+               for kv_cache_dtype in ("auto", "int8")]
+    assert outputs[0] == outputs[1]
