@@ -9,8 +9,8 @@ size and count are ranked together; an uneven method (kvcompress) gives up whole
 pages chosen across all its heads and layers, of every rank when the model is split
 (nanokv/eviction/pages.py).
 
-Ranking allocates memory per held pair and moving per evicted pair (piece_bytes), so
-the pairs are taken a piece at a time, (sequences, layers), each within PIECE_BYTES but at
+Ranking allocates memory per held pair and moving per evicted pair (ranked_pair_bytes, moved_pair_bytes),
+so the pairs are taken a piece at a time, (sequences, layers), each within PIECE_BYTES but at
 least one layer of one sequence: reserve_bytes is what the pool sizing sets aside for it.
 Each piece costs the same torch ops whatever it holds, so the fewer the pieces, the fewer
 the launches: a piece is as large as its bound allows.
@@ -58,7 +58,7 @@ def reserve_bytes(num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, max_m
     return max(PIECE_BYTES, num_kv_heads * max_model_len * (worst + moved_pair_bytes(head_dim, kv_dtype)))
 
 
-def pieces(num_seqs: int, num_layers: int, layer_bytes: int) -> list[tuple[slice, slice]]:
+def cut_pieces(num_seqs: int, num_layers: int, layer_bytes: int) -> list[tuple[slice, slice]]:
     """(sequences, layers) of a group, each within PIECE_BYTES when one layer of one sequence
     costs layer_bytes: whole sequences while one fits, else one sequence's layers a few at a
     time (at least one)."""
@@ -113,8 +113,9 @@ class Evictor:
     def _pieces(self, num_seqs: int, method: KVMethod, num_slots: int, num_evicted: int) -> list[tuple[slice, slice]]:
         """The pieces of a group of sequences each holding num_slots pairs per head and dropping num_evicted."""
         head_dim, dtype = self.cache.k.shape[-1], self.cache.k.dtype
-        per_head = num_slots * ranked_pair_bytes(head_dim, dtype, method) + num_evicted * moved_pair_bytes(head_dim, dtype)
-        return pieces(num_seqs, self.cache.num_layers, self.cache.num_kv_heads * per_head)
+        per_head = (num_slots * ranked_pair_bytes(head_dim, dtype, method)
+                    + num_evicted * moved_pair_bytes(head_dim, dtype))
+        return cut_pieces(num_seqs, self.cache.num_layers, self.cache.num_kv_heads * per_head)
 
     def _tables(self, seqs: list[Sequence], num_slots: int) -> torch.Tensor:
         """[S, L, Hkv, nb]: each head's pages holding the sequences' first num_slots slots."""
@@ -194,7 +195,7 @@ class Evictor:
         for in_piece, layers in pieces:
             moves, kept_lens[in_piece, layers] = kept_slots(*ranked(in_piece, layers), lens[in_piece, layers],
                                                             evicted[in_piece, layers], bs)
-            kernels.move_slots(self.cache.per_slot, tables[in_piece, layers], *moves)
+            kernels.move_slots(self.cache.per_slot, tables[in_piece, layers], *moves[:2])   # all, unmasked
             self.pair_counts[1] += moves[2].sum()
         self.pair_counts[0] += (lens - kept_lens).sum()
         if method.windowed:   # its scores restart (KVC-full's keep accumulating)

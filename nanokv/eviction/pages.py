@@ -59,8 +59,8 @@ def kept_slots(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tens
                block_size: int) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """When head (l, h) gives up its evicted[..., l, h] cheapest pages: the moves that fill the
     holes its evicted pairs leave below its new length with its survivors above it ((src, dst,
-    valid), each [..., L, H, n]: nanokv/eviction/holes.py, here with a count per head) and the
-    new lens [..., L, H]."""
+    valid), each [..., L, H, n]: nanokv/eviction/holes.py, here with a count per head; where not
+    valid, a slot onto itself) and the new lens [..., L, H]."""
     n = priority.shape[-1]
     slot = torch.arange(n, device=priority.device)
     order = _ordered(priority, positions, lens, block_size)[0]
@@ -71,7 +71,10 @@ def kept_slots(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tens
     holes = torch.where(leaving & below, slot, n + slot).sort(dim=-1).values
     movers = torch.where(~leaving & ~below & (slot < lens[..., None]), slot, n + slot).sort(dim=-1).values
     valid = holes < n
-    return (torch.where(valid, movers, slot), torch.where(valid, holes, slot), valid), new_lens
+    # The rest move the head's last held slot onto itself: no valid move writes there (a head
+    # with a hole holds pairs past its new length), so every move can be made, with no mask.
+    last = (lens - 1).clamp(min=0)[..., None].expand_as(holes)
+    return (torch.where(valid, movers, last), torch.where(valid, holes, last), valid), new_lens
 
 
 def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor

@@ -109,7 +109,7 @@ def test_a_paper_sized_eviction_takes_few_pieces():
     method = make_method("batchmax", "prefill", 1024, 64, 16)
     per_head = (1088 * evict_module.ranked_pair_bytes(128, torch.bfloat16, method)
                 + 64 * evict_module.moved_pair_bytes(128, torch.bfloat16))
-    taken = evict_module.pieces(28, 32, 8 * per_head)
+    taken = evict_module.cut_pieces(28, 32, 8 * per_head)
     assert len(taken) <= 4
     covered = [(s, l) for seqs, layers in taken for s in range(28)[seqs] for l in range(32)[layers]]
     assert sorted(covered) == [(s, l) for s in range(28) for l in range(32)]
