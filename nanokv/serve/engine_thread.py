@@ -3,8 +3,9 @@
 LLM is not thread-safe, so the asyncio side never calls it. Adds and aborts go
 to the engine thread through a queue; the results of a group of requests (the
 choices of one API request) come back to the group's asyncio.Queue through
-loop.call_soon_threadsafe. Every request in flight takes part in every step,
-which is what makes concurrent clients share decode steps (continuous batching).
+loop.call_soon_threadsafe, a step's outputs in one call per event loop (each call wakes
+the loop). Every request in flight takes part in every step, which is what makes
+concurrent clients share decode steps (continuous batching).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import itertools
 import logging
 import queue
 import threading
+from collections import defaultdict
 from dataclasses import dataclass
 
 from nanokv.llm import LLM
@@ -127,9 +129,13 @@ class EngineThread:
             return
         self.num_steps += 1
         self.largest_batch = max(self.largest_batch, len(outputs))
+        by_loop = defaultdict(list)
         for out in outputs:
             key = self._keys_by_request[out.request_id]
-            self._post(self._forget(key) if out.finished else self._streams[key], out)
+            stream = self._forget(key) if out.finished else self._streams[key]
+            by_loop[stream.loop].append((stream.results, (stream.index, out)))
+        for loop, items in by_loop.items():
+            self._hand_over(loop, items)
 
     def _fail_all(self, message: str) -> None:
         for key in list(self._streams):
@@ -145,10 +151,14 @@ class EngineThread:
         del self._keys_by_request[stream.request_id]
         return stream
 
+    def _post(self, stream: _Stream, item) -> None:
+        self._hand_over(stream.loop, [(stream.results, (stream.index, item))])
+
     @staticmethod
-    def _post(stream: _Stream, item) -> None:
+    def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, tuple]]) -> None:
+        """Put each (queue, item) on its queue, in one call to loop's thread."""
         try:
-            stream.loop.call_soon_threadsafe(stream.results.put_nowait, (stream.index, item))
+            loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:   # its event loop has closed: nobody is waiting
             pass
 
@@ -162,3 +172,8 @@ class EngineThread:
                     host_copied_bytes=stats.host_block_bytes * (stats.blocks_saved + stats.blocks_loaded
                                                                 + stats.blocks_streamed),
                     offloaded_blocks=stats.offloaded_blocks, positions_recomputed=stats.positions_recomputed)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, tuple]]) -> None:
+    for results, item in items:
+        results.put_nowait(item)
