@@ -170,7 +170,7 @@ def prefill_programs(device: torch.device) -> int:
     """The programs a split prefill launch aims for: one per SM. A program of the prefill kernel
     holds a whole query tile, and each split writes its tile's partial output in fp32 for the
     merge, so splits pay less than flash-decoding's: on an H200 a 64-token chunk over a 4k
-    context ran fastest in 4 splits (32 tiles x heads: 128 programs), 1.4x faster than in 16
+    context ran fastest in 8 splits (16 tiles x heads: 128 programs), 1.4x faster than in 16
     (docs/PERF.md). The interpreter on a CPU: a few, so tests see several splits."""
     if device.type != "cuda":
         return DECODE_WAVES

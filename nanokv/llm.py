@@ -289,16 +289,18 @@ class LLM:
             if reason is not None:   # no more tokens will complete a held-back partial character
                 request.text += request.detokenizer.flush()
         stops = seq.params.stop
-        hit = [i for i in (request.text.find(s) for s in stops) if i >= 0]
-        if hit:
-            request.text, reason = request.text[:min(hit)], "stop"
+        if stops:
+            hit = [i for i in (request.text.find(s) for s in stops) if i >= 0]
+            if hit:
+                request.text, reason = request.text[:min(hit)], "stop"
         if reason is not None:
             self._finish(seq, reason)
+        finished = seq.is_finished
         # While running, hold back a tail that might still grow into a stop string.
-        held = 0 if seq.is_finished or not stops else max(map(len, stops)) - 1
+        held = 0 if finished or not stops else max(map(len, stops)) - 1
         upto = max(request.streamed, len(request.text) - held)
         new_text, request.streamed = request.text[request.streamed:upto], upto
-        if seq.is_finished:
+        if finished:
             del self.requests[seq.seq_id]
         elif not every_token:
             return None
