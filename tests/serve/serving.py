@@ -46,5 +46,16 @@ def wait_until_idle(base: str, timeout: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
+def wait_until_busy(base: str, timeout: float = 30.0) -> None:
+    """Until /health shows the engine holding a request (one sent from another thread is in flight)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{base}/health").json()
+        if health["running"] + health["waiting"] > 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError("no request reached the engine")
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from nanokv import LLM, SamplingParams
-from serving import ENGINE, MODEL, greedy, running_server, wait_until_idle
+from serving import ENGINE, MODEL, greedy, running_server, wait_until_busy, wait_until_idle
 
 KEY = "sk-test"
 PROMPTS = [f"Request {i}: the story of {'ab' * (i % 5)} goes" for i in range(32)]
@@ -323,6 +323,7 @@ def test_sigterm_lets_requests_in_flight_finish_and_refuses_new_ones(model_dir):
         plain = threading.Thread(target=lambda: whole.update(
             response=httpx.post(f"{base}/v1/completions", json=body, timeout=60)))
         plain.start()
+        wait_until_busy(base)   # in flight before the signal: a connection not yet taken would be refused
         events = stream_until_signal(server, base, 480)
         assert refuses_connections(base)   # shutting down: no new connections
         plain.join(60)
