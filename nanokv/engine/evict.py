@@ -121,10 +121,10 @@ class Evictor:
         """[S, L, Hkv, nb]: each head's pages holding the sequences' first num_slots slots."""
         nb = -(-num_slots // self.block_size)
         rows = [seq.block_table.row for seq in seqs]
-        return self.cache.pages(torch.from_numpy(seqs[0].block_table.tables.ids[rows, :nb]).to(self.device))
+        return self.cache.pages(kernels.from_host(seqs[0].block_table.tables.ids[rows, :nb], self.device))
 
     def _held(self, seqs: list[Sequence], tables: torch.Tensor, n: int, lens: torch.Tensor | None = None) -> HeldPairs:
-        current = torch.tensor([seq.num_computed_tokens - 1 for seq in seqs], device=self.device)
+        current = kernels.from_host([seq.num_computed_tokens - 1 for seq in seqs], self.device)
         scores = self.shard.sum_over_replicas(read_slots(self.cache.scores, tables, n))
         return HeldPairs(read_slots(self.cache.positions, tables, n), scores,
                          current=current[:, None, None, None], key_norms=lambda: self._key_norms(tables, n), lens=lens)
@@ -152,19 +152,21 @@ class Evictor:
         parts = []
         if fresh:
             tables = self._tables([seqs[i] for i in fresh], max(num_slots[i] for i in fresh))
-            lens = torch.tensor([num_slots[i] for i in fresh], device=self.device)[:, None, None]
+            lens = kernels.from_host([num_slots[i] for i in fresh], self.device)[:, None, None]
             parts.append((tables, lens.expand(tables.shape[:3])))
         if evicted:
             tables, lens = HeadPages.stack([seqs[i].head_pages for i in evicted])
-            taken = torch.tensor([num_slots[i] - seqs[i].head_pages.slots for i in evicted], device=self.device)
+            taken = kernels.from_host([num_slots[i] - seqs[i].head_pages.slots for i in evicted], self.device)
             parts.append((tables, lens.long() + taken[:, None, None]))
         width = max(tables.shape[-1] for tables, _ in parts)
         tables = torch.cat([torch.nn.functional.pad(tables, (0, width - tables.shape[-1])) for tables, _ in parts])
         lens = torch.cat([lens for _, lens in parts])
-        order = torch.empty(len(seqs), dtype=torch.long)
-        order[fresh + evicted] = torch.arange(len(seqs))
-        order = order.to(self.device)
-        return tables[order], lens[order]
+        if fresh and evicted:   # back to the order of seqs
+            order = torch.empty(len(seqs), dtype=torch.long)
+            order[fresh + evicted] = torch.arange(len(seqs))
+            order = kernels.from_host(order, self.device)
+            tables, lens = tables[order], lens[order]
+        return tables, lens
 
     def _evict_pages(self, evictions: list[Eviction]) -> None:
         """KV-Compress: each sequence's heads go down to num_slots - num_evicted pairs each on
@@ -187,31 +189,36 @@ class Evictor:
         held_pages = -(-lens // bs)
         costs = torch.empty(S, L, H, width, device=self.device)
         for in_piece, layers in pieces:
-            costs[in_piece, layers] = page_costs(*ranked(in_piece, layers), lens[in_piece, layers], bs,
-                                                 method.floor_pages(bs))
-        kept = torch.tensor([e.num_slots - e.num_evicted for e in evictions], device=self.device)
+            last = ranked(in_piece, layers)
+            costs[in_piece, layers] = page_costs(*last, lens[in_piece, layers], bs, method.floor_pages(bs))
+        kept = kernels.from_host([e.num_slots - e.num_evicted for e in evictions], self.device)
         evicted = self._choose_pages(costs, lens, kept, evictions)
         kept_lens = torch.empty_like(lens)
         for in_piece, layers in pieces:
-            moves, kept_lens[in_piece, layers] = kept_slots(*ranked(in_piece, layers), lens[in_piece, layers],
+            rank = last if len(pieces) == 1 else ranked(in_piece, layers)   # one piece: ranked once
+            moves, kept_lens[in_piece, layers] = kept_slots(*rank, lens[in_piece, layers],
                                                             evicted[in_piece, layers], bs)
             kernels.move_slots(self.cache.per_slot, tables[in_piece, layers], *moves[:2])   # all, unmasked
             self.pair_counts[1] += moves[2].sum()
         self.pair_counts[0] += (lens - kept_lens).sum()
-        if method.windowed:   # its scores restart (KVC-full's keep accumulating)
-            self.cache.scores[tables[torch.arange(width, device=self.device) < held_pages[..., None]]] = 0.0
+        if method.windowed:   # its scores restart (KVC-full's keep accumulating); a column past a head's
+            #                   pages zeroes its first page again (a boolean mask would wait for the device)
+            held = torch.arange(width, device=self.device) < held_pages[..., None]
+            self.cache.scores[torch.where(held, tables, tables[..., :1])] = 0.0
         kept_pages, kept_lens = held_pages - evicted, kept_lens.int()
         blocks_kept = [e.num_blocks_kept for e in evictions]
         staying = self._tables(seqs, max(blocks_kept) * bs)   # [S, L, H, nb]: the pages of the blocks each keeps
         column = torch.arange(staying.shape[-1], device=self.device)
-        staying = torch.where(column < torch.tensor(blocks_kept, device=self.device)[:, None, None, None], staying,
+        staying = torch.where(column < kernels.from_host(blocks_kept, self.device)[:, None, None, None], staying,
                               -1).flatten(1)   # -1: not a block it keeps
+        # A head's pages all lie in its sequence's blocks: those leaving lie in the blocks given back.
+        given_back = [(len(e.seq.block_table) - e.num_blocks_kept) * L * H for e in evictions]
         for start, stop in dict.fromkeys((in_piece.start, in_piece.stop) for in_piece, _ in pieces):
             part = slice(start, stop)   # whole sequences, as many as a piece holds
-            part_tables, src, dst = repage(tables[part], kept_pages[part], staying[part])
+            part_tables, src, dst = repage(tables[part], kept_pages[part], staying[part], max(given_back[part]))
             for buffer in self.cache.per_slot:
-                buffer[dst.long()] = buffer[src.long()]
-            self.pair_counts[1] += src.numel() * bs
+                buffer[dst] = buffer[src]
+            self.pair_counts[1] += (src != dst).sum() * bs
             for row, seq in enumerate(seqs[part]):
                 seq.head_pages = HeadPages(part_tables, kept_lens[part], row, seq.num_kv_slots)
 

@@ -241,10 +241,7 @@ class ModelRunner:
                           tuple(as_tensors[2:]), copies=self.copy_stream)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        """A host array on the engine's device; on CUDA from pinned memory, so that the host
-        goes on without waiting for the device to take it."""
-        tensor = torch.from_numpy(array)
-        return tensor.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else tensor
+        return kernels.from_host(array, self.device)
 
     def _array(self, values: list, dtype) -> torch.Tensor:
         return self._to_device(np.array(values, dtype=dtype))
@@ -272,8 +269,9 @@ class ModelRunner:
         tables = cache.batch_pages(self._to_device(blocks))
         step_lens = self._to_device(lens.astype(np.int32))[None, :, None].expand(tables.shape[:3]).contiguous()
         if own:   # heads with pages of their own: all of them put in place at once
-            tables[:, own, :, :own_tables.shape[-1]] = own_tables.transpose(0, 1)
             taken = lens[own] - np.fromiter((head.slots for head in heads), dtype=np.int64, count=len(own))
+            own = self._array(own, np.int64)
+            tables[:, own, :, :own_tables.shape[-1]] = own_tables.transpose(0, 1)
             step_lens[:, own] = (own_lens + self._array(taken, np.int32)[:, None, None]).transpose(0, 1)
         return tables, step_lens, bound
 
@@ -315,7 +313,8 @@ class ModelRunner:
                 hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
             if self.model.shard.rank:   # a worker of a split model: rank 0 samples
                 return {}
-            logits = self.model.compute_logits(hidden[step.sample_rows]) if step.sample_rows else None
+            logits = self.model.compute_logits(hidden[self._array(step.sample_rows, np.int64)]) \
+                if step.sample_rows else None
             clock.lap("forward")
             self._record_prompt_logprobs(hidden, step)
             seqs, tokens = step.sampled_seqs, []

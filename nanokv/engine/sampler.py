@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from nanokv.engine.sequence import TokenLogprob
 from nanokv.sampling_params import SamplingParams
 
@@ -56,7 +57,7 @@ class Sampler:
         if all(p.temperature == 0 for p in params):
             return greedy
         device = logits.device
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        temperature = kernels.from_host([p.temperature or 1.0 for p in params], device)
         probs = (logits / temperature[:, None]).softmax(dim=-1)
         if any(p.top_k or p.top_p < 1 for p in params):
             probs = self._truncate(probs, params)
@@ -65,15 +66,15 @@ class Sampler:
             if gen is not None:
                 races[row].exponential_(generator=gen)
         sampled = (probs / races).argmax(dim=-1)
-        is_greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
+        is_greedy = kernels.from_host([p.temperature == 0 for p in params], device)
         return torch.where(is_greedy, greedy, sampled)
 
     @staticmethod
     def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Zero every token outside each row's top-k and top-p set (the top token always stays)."""
         device, vocab = probs.device, probs.shape[-1]
-        top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_k = kernels.from_host([p.top_k or vocab for p in params], device)
+        top_p = kernels.from_host([p.top_p for p in params], device)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs

@@ -6,6 +6,7 @@ from enum import Enum
 
 import torch
 
+import kernels
 from nanokv.engine.block_table import BlockTable
 from nanokv.eviction import KVMethod
 from nanokv.sampling_params import SamplingParams
@@ -45,8 +46,8 @@ class HeadPages:
         tables, lens = [], []
         for members in groups.values():
             first, rows = pages[members[0]], [pages[i].row for i in members]
-            if rows == list(range(len(first.tables))):   # the whole group, in order
-                rows = slice(None)
+            whole = rows == list(range(len(first.tables)))   # the whole group, in order
+            rows = slice(None) if whole else kernels.from_host(rows, first.tables.device)
             tables.append(torch.nn.functional.pad(first.tables[rows], (0, width - first.tables.shape[-1])))
             lens.append(first.lens[rows])
         tables, lens = torch.cat(tables), torch.cat(lens)
@@ -54,7 +55,8 @@ class HeadPages:
         if order != list(range(len(pages))):   # back to the order of pages
             inverse = torch.empty(len(order), dtype=torch.long)
             inverse[order] = torch.arange(len(order))
-            tables, lens = tables[inverse.to(tables.device)], lens[inverse.to(lens.device)]
+            inverse = kernels.from_host(inverse, tables.device)
+            tables, lens = tables[inverse], lens[inverse]
         return tables, lens
 
 

@@ -43,14 +43,14 @@ def page_costs(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tens
 
 def choose_pages(costs: torch.Tensor, num_pages: torch.Tensor | int) -> torch.Tensor:
     """[..., L, H] pages each head gives up: the num_pages [...] cheapest of each sequence's
-    costs [..., L, H, m] (the leading dimensions: sequences evicted together)."""
+    costs [..., L, H, m] (the leading dimensions: sequences evicted together). Every page
+    chosen has a finite cost: the settings keep a head's floor within what an eviction
+    leaves it on average (settings._check_uneven)."""
     *lead, L, H, m = costs.shape
     flat = costs.flatten(-3)
     order = flat.argsort(dim=-1, stable=True)
     rank = torch.arange(flat.shape[-1], device=costs.device)
     chosen = rank < torch.as_tensor(num_pages, device=costs.device)[..., None]
-    if (chosen & (flat.gather(-1, order) == float("inf"))).any():
-        raise RuntimeError(f"cannot evict {num_pages} pages: the rest are protected or below the floor")
     evicted = torch.zeros_like(order).scatter_add_(-1, order // m, chosen.long())
     return evicted[..., :L * H].view(*lead, L, H)
 
@@ -77,41 +77,50 @@ def kept_slots(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tens
     return (torch.where(valid, movers, last), torch.where(valid, holes, last), valid), new_lens
 
 
-def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor
+def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For S sequences evicted together, whose pages are all distinct: head (s, l, h) now uses
     only the first kept[s, l, h] pages of its table [S, L, H, W]. Its pages in blocks sequence
     s gives back move to unused pages among staying[s] (the pages of the blocks it keeps, -1
-    where a sequence keeps fewer than another);
-    then every head gets an equal share of its sequence's still unused ones, in order, for
-    the tokens it reads until the next eviction.
+    where a sequence keeps fewer than another), the r-th of a sequence's leaving pages in
+    (l, h, column) order to its r-th unused one; then every head gets an equal share of its
+    sequence's still unused ones, in order, for the tokens it reads until the next eviction.
+    Every shape is known without reading the device's values but the new width.
 
     Returns the new tables [S, L, H, W'] (W' the widest sequence's; the others' extra columns
-    page 0) and the moves: page src[i]'s content goes to dst[i].
+    page 0) and the moves [S, max_moves]: page src's content goes to dst. max_moves bounds a
+    sequence's leaving pages; the moves past a sequence's own copy a page onto itself.
     """
     S, L, H, W = tables.shape
     device = tables.device
     in_use = torch.arange(W, device=device) < kept[..., None]
-    used = tables[in_use]                                   # (s, l, h, column) order
-    leaving = ~torch.isin(used, staying)                    # pages are distinct: any sequence's staying will do
-    leaves = torch.zeros_like(in_use)
-    leaves[in_use] = leaving
-    num_leaving = leaves.flatten(1).sum(-1)                 # [S]
-    unused = ~torch.isin(staying, used) & (staying >= 0)    # [S, P]
-    rank = unused.cumsum(-1) - 1                            # among a sequence's unused pages
-    src, dst = used[leaving], staying[unused & (rank < num_leaving[:, None])]
-    used[leaving] = dst
-    tables = tables.clone()
-    tables[in_use] = used
+    used = torch.where(in_use, tables, -2).flatten(1)              # [S, N]; -2: no page
+    leaving = (used >= 0) & ~torch.isin(used, staying)             # pages are distinct: any sequence's staying will do
+    unused = ~torch.isin(staying, used) & (staying >= 0)           # [S, P]
+    num_leaving = leaving.sum(-1)                                  # [S]
+    rank = leaving.cumsum(-1) - 1                                  # among a sequence's leaving pages
+    unused_first = staying.gather(-1, (~unused).int().argsort(dim=-1, stable=True))
+    moved_to = unused_first.gather(-1, rank.clamp(min=0))
+    tables = torch.where(leaving, moved_to, used).view(S, L, H, W).where(in_use, tables)
+    moves = max(max_moves, 1)
+    at = torch.where(leaving, rank, moves)                         # the rest to a column dropped below
+    empty = torch.full((S, moves + 1), -1, dtype=used.dtype, device=device)
+    src = empty.scatter(-1, at, used)[:, :moves]
+    dst = empty.scatter(-1, at, moved_to.to(used.dtype))[:, :moves]
+    # The rest copy the first leaving page (never written: it is in a block given back) onto
+    # itself, or where none leaves, the first head's first page.
+    idle = torch.where(num_leaving > 0, src[:, 0], tables[:, 0, 0, 0])[:, None]
+    src, dst = torch.where(src >= 0, src, idle), torch.where(dst >= 0, dst, idle)
+    rank = unused.cumsum(-1) - 1                                   # among a sequence's unused pages
     spare = unused & (rank >= num_leaving[:, None])
-    share = spare.sum(-1) // (L * H)                        # [S]
+    share = spare.sum(-1) // (L * H)                               # [S]
     spare = staying.gather(-1, (~spare).int().argsort(dim=-1, stable=True))   # each sequence's spare pages first
-    width = int((kept.flatten(1).amax(1) + share).max())
+    width = int((kept.flatten(1).amax(1) + share).max())           # the one wait for the device
     column = torch.arange(width, device=device)
     old = tables.gather(-1, column.clamp(max=W - 1).expand(S, L, H, width))
-    extra = column - kept[..., None]                        # index of the spare page a column takes
+    extra = column - kept[..., None]                               # index of the spare page a column takes
     share = share[:, None, None, None]
     head = torch.arange(L * H, device=device).view(1, L, H, 1)
     new = spare.gather(-1, (extra.clamp(min=0) * L * H + head).clamp(max=staying.shape[-1] - 1).flatten(1))
     new = torch.where(extra < share, new.view(S, L, H, width), 0)
-    return torch.where(extra < 0, old, new).to(tables.dtype), src, dst
+    return torch.where(extra < 0, old, new).to(tables.dtype), src.long(), dst.long()

@@ -3,6 +3,8 @@ head's new length fill the holes below it), plus one block per head, for every m
 counted as the K slots whose contents it changes; it allocates no more than its pieces are
 sized by; and a step's eviction runs the same torch ops whatever the batch and the layers,
 none of which waits for the device."""
+import warnings
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -53,6 +55,15 @@ def test_an_eviction_writes_at_most_what_it_drops_plus_a_block_per_head(llm, met
         assert (moved, evicted) == tuple(map(sum, zip(*counts)))[:2]
 
 
+# Ops whose result the host must wait for: a value read back, or a shape that depends on data.
+MASKED = " (a boolean mask)"
+WAITS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.masked_select", "aten.unique")
+
+
+def waits(ops: list[str]) -> list[str]:
+    return [op for op in ops if op.startswith(WAITS) or op.endswith(MASKED)]
+
+
 class CountOps(TorchDispatchMode):
     """Every torch op dispatched inside, by name, and the bytes of the tensors they allocate."""
     def __init__(self):
@@ -61,7 +72,9 @@ class CountOps(TorchDispatchMode):
         self.allocated = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
+        masked = func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default) and \
+            any(i is not None and i.dtype == torch.bool for i in args[1])
+        self.ops.append(f"{func}{MASKED if masked else ''}")
         out = func(*args, **(kwargs or {}))
         for result, returned in zip(out if isinstance(out, (tuple, list)) else (out,), func._schema.returns):
             if isinstance(result, torch.Tensor) and returned.alias_info is None:   # not a view
@@ -115,8 +128,6 @@ def test_a_paper_sized_eviction_takes_few_pieces():
     assert sorted(covered) == [(s, l) for s in range(28) for l in range(32)]
 
 
-# Ops whose result the host must wait for: a value read back, or a shape that depends on data.
-WAITS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique")
 
 
 @pytest.mark.parametrize("method", ["batchmax", "h2o@prefill", "streamingllm", "knorm@decode", "snapkv@prefill"])
@@ -140,6 +151,57 @@ def test_an_eviction_step_runs_the_same_ops_whatever_the_batch_and_layers(tmp_pa
                 steps.append(counter.ops)
         llm.runner.evictor.evict = counted
         llm.generate([torch.randint(0, VOCAB, (150,), generator=g).tolist() for _ in range(batch)], params)
-        assert steps and not [op for ops in steps for op in ops if op.startswith(WAITS)]
+        assert steps and not [op for ops in steps for op in waits(ops)]
         seen[layers, batch] = {len(ops) for ops in steps}
     assert seen[2, 8] == seen[2, 64] == seen[12, 8], seen
+
+
+def test_a_kvcompress_eviction_waits_for_the_device_once(tmp_path):
+    """Pages given up and moved with shapes known on the host: the new tables' width is the
+    one value read back."""
+    make_tiny_model(tmp_path, "llama")
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=200, max_model_len=256, max_num_seqs=16, num_threads=1)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_method="kvcompress", kv_budget=64,
+                            evict_every=16)
+    steps, evict = [], llm.runner.evictor.evict
+
+    def counted(evictions):
+        with CountOps() as counter:
+            evict(evictions)
+        if evictions:
+            steps.append(waits(counter.ops))
+    llm.runner.evictor.evict = counted
+    g = torch.Generator().manual_seed(0)
+    llm.generate([torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (150, 90, 120, 200)], params)
+    assert len(steps) > 4 and all(ops == ["aten.item.default"] for ops in steps), steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["batchmax", "kvcompress"])
+def test_evictions_and_step_inputs_do_not_wait_for_the_gpu(tmp_path, method):
+    """What the CPU tests cannot see: a copy from pageable host memory waits for the GPU. The
+    eviction (but kvcompress's one width), the step's inputs and sampling wait for nothing."""
+    make_tiny_model(tmp_path, "llama")
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=200, max_model_len=256, max_num_seqs=16)
+    runner, synced = llm.runner, {}
+
+    def watched(name, run):
+        def call(*args):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return run(*args)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+                    synced.setdefault(name, []).append(len(caught))
+        return call
+    runner.evictor.evict = watched("evict", runner.evictor.evict)
+    runner.prepare = watched("prepare", runner.prepare)
+    runner.sampler = watched("sample", runner.sampler)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=40, ignore_eos=True, kv_method=method,
+                            kv_budget=64, evict_every=16)
+    g = torch.Generator().manual_seed(0)
+    llm.generate([torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (150, 90, 120, 200)], params)
+    allowed = 1 if method == "kvcompress" else 0
+    assert max(synced["evict"]) == allowed and max(synced["prepare"]) == max(synced["sample"]) == 0, synced

@@ -77,8 +77,10 @@ def test_page_eviction_takes_the_cheapest_pages_across_heads(seed):
         assert new_lens[l, h] % bs == 0 or evicted[l, h] == 0   # a head that gave pages keeps whole ones
 
 
-def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out():
-    """Two sequences repaged together (their pages distinct): each as if alone."""
+@pytest.mark.parametrize("tight", [False, True])
+def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out(tight):
+    """Two sequences repaged together (their pages distinct): each as if alone, whatever the
+    bound on the moves (tight: the most pages one of them moves)."""
     L, H, W = 2, 3, 4
     g = torch.Generator().manual_seed(0)
     tables = torch.randperm(80, dtype=torch.int32, generator=g)[:2 * L * H * W].view(2, L, H, W)   # some unused
@@ -86,8 +88,13 @@ def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out():
     free = [t for t in range(80) if t not in tables]
     staying = torch.stack([torch.cat([tables[s][kept[s] > 1][:, 0], torch.tensor(free[s::2], dtype=torch.int32)])[:17]
                            for s in range(2)])
-    new, src, dst = repage(tables, kept, staying)
-    moved = dict(zip(src.tolist(), dst.tolist()))
+    leaving = [sum(p not in staying[s] for l in range(L) for h in range(H) for p in tables[s, l, h, :kept[s, l, h]])
+               for s in range(2)]
+    new, src, dst = repage(tables, kept, staying, max(leaving) if tight else L * H * W)
+    assert src.shape == dst.shape == (2, max(leaving) if tight else L * H * W)
+    pairs = list(zip(src.flatten().tolist(), dst.flatten().tolist()))
+    moved = {a: b for a, b in pairs if a != b}
+    assert len(moved) == sum(leaving) and not {a for a, b in pairs if a == b} & set(moved.values())   # the rest: no-ops
     for s in range(2):
         used = {(l, h): tables[s, l, h, :kept[s, l, h]].tolist() for l in range(L) for h in range(H)}
         assert {p for p in moved if p in tables[s]} == {p for pages in used.values() for p in pages
