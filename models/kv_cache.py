@@ -68,11 +68,11 @@ class KVCache:
         """Blocks src into dst, every page, their scores zeroed: a sequence's own copy of
         cached blocks that it will write into (eviction compacts them, scores accumulate)."""
         device = self.k.device
-        src_pages, dst_pages = (self.pages(torch.tensor(b, device=device)).flatten() for b in (src, dst))
+        src_pages, dst_pages = (self.pages(kernels.from_host(b, device)).flatten().long() for b in (src, dst))
         for per_slot in self.per_slot:   # K, V (and their scales), positions
             if per_slot is not self.scores:
                 per_slot[dst_pages] = per_slot[src_pages]
-        self.scores[dst_pages] = 0.0
+        self.scores.index_fill_(0, dst_pages, 0.0)
 
     def move_pages(self, tables: torch.Tensor, old_blocks: list[int], new_blocks: list[int]) -> torch.Tensor:
         """Page tables whose pages lay in old_blocks, with each old_blocks[i] now new_blocks[i]

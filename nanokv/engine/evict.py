@@ -108,7 +108,7 @@ class Evictor:
                 self.pair_counts[0] += evicted.numel()
                 self.pair_counts[1] += valid.sum()
                 if seqs[0].method.windowed:   # its scores restart: the next window counts from zero
-                    self.cache.scores[piece] = 0.0
+                    self.cache.scores.index_fill_(0, piece.flatten().long(), 0.0)
 
     def _pieces(self, num_seqs: int, method: KVMethod, num_slots: int, num_evicted: int) -> list[tuple[slice, slice]]:
         """The pieces of a group of sequences each holding num_slots pairs per head and dropping num_evicted."""
@@ -204,7 +204,7 @@ class Evictor:
         if method.windowed:   # its scores restart (KVC-full's keep accumulating); a column past a head's
             #                   pages zeroes its first page again (a boolean mask would wait for the device)
             held = torch.arange(width, device=self.device) < held_pages[..., None]
-            self.cache.scores[torch.where(held, tables, tables[..., :1])] = 0.0
+            self.cache.scores.index_fill_(0, torch.where(held, tables, tables[..., :1]).flatten().long(), 0.0)
         kept_pages, kept_lens = held_pages - evicted, kept_lens.int()
         blocks_kept = [e.num_blocks_kept for e in evictions]
         staying = self._tables(seqs, max(blocks_kept) * bs)   # [S, L, H, nb]: the pages of the blocks each keeps
@@ -215,7 +215,8 @@ class Evictor:
         given_back = [(len(e.seq.block_table) - e.num_blocks_kept) * L * H for e in evictions]
         for start, stop in dict.fromkeys((in_piece.start, in_piece.stop) for in_piece, _ in pieces):
             part = slice(start, stop)   # whole sequences, as many as a piece holds
-            part_tables, src, dst = repage(tables[part], kept_pages[part], staying[part], max(given_back[part]))
+            part_tables, src, dst = repage(tables[part], kept_pages[part], staying[part], max(given_back[part]),
+                                           len(self.cache.positions))
             for buffer in self.cache.per_slot:
                 buffer[dst] = buffer[src]
             self.pair_counts[1] += (src != dst).sum() * bs

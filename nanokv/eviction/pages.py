@@ -77,7 +77,7 @@ def kept_slots(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tens
     return (torch.where(valid, movers, last), torch.where(valid, holes, last), valid), new_lens
 
 
-def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int
+def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For S sequences evicted together, whose pages are all distinct: head (s, l, h) now uses
     only the first kept[s, l, h] pages of its table [S, L, H, W]. Its pages in blocks sequence
@@ -85,7 +85,9 @@ def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_
     where a sequence keeps fewer than another), the r-th of a sequence's leaving pages in
     (l, h, column) order to its r-th unused one; then every head gets an equal share of its
     sequence's still unused ones, in order, for the tokens it reads until the next eviction.
-    Every shape is known without reading the device's values but the new width.
+    Every shape is known without reading the device's values but the new width; the pages
+    a sequence uses and keeps are told apart by marks over all num_pages pages (torch.isin
+    would wait for the device).
 
     Returns the new tables [S, L, H, W'] (W' the widest sequence's; the others' extra columns
     page 0) and the moves [S, max_moves]: page src's content goes to dst. max_moves bounds a
@@ -93,10 +95,14 @@ def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_
     """
     S, L, H, W = tables.shape
     device = tables.device
+
+    def marked(pages: torch.Tensor) -> torch.Tensor:   # [num_pages + 1]: True at pages (num_pages: none)
+        return torch.zeros(num_pages + 1, dtype=torch.bool, device=device).index_fill_(0, pages.flatten().long(), True)
     in_use = torch.arange(W, device=device) < kept[..., None]
-    used = torch.where(in_use, tables, -2).flatten(1)              # [S, N]; -2: no page
-    leaving = (used >= 0) & ~torch.isin(used, staying)             # pages are distinct: any sequence's staying will do
-    unused = ~torch.isin(staying, used) & (staying >= 0)           # [S, P]
+    used = torch.where(in_use, tables, num_pages).flatten(1)       # [S, N]
+    stay = torch.where(staying >= 0, staying, num_pages)           # pages are distinct: any sequence's stay will do
+    leaving = ~marked(stay)[used.long()] & (used < num_pages)
+    unused = ~marked(used)[stay.long()] & (staying >= 0)           # [S, P]
     num_leaving = leaving.sum(-1)                                  # [S]
     rank = leaving.cumsum(-1) - 1                                  # among a sequence's leaving pages
     unused_first = staying.gather(-1, (~unused).int().argsort(dim=-1, stable=True))

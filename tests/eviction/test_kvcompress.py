@@ -90,7 +90,7 @@ def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out(tight):
                            for s in range(2)])
     leaving = [sum(p not in staying[s] for l in range(L) for h in range(H) for p in tables[s, l, h, :kept[s, l, h]])
                for s in range(2)]
-    new, src, dst = repage(tables, kept, staying, max(leaving) if tight else L * H * W)
+    new, src, dst = repage(tables, kept, staying, max(leaving) if tight else L * H * W, 80)
     assert src.shape == dst.shape == (2, max(leaving) if tight else L * H * W)
     pairs = list(zip(src.flatten().tolist(), dst.flatten().tolist()))
     moved = {a: b for a, b in pairs if a != b}
