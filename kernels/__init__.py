@@ -104,10 +104,10 @@ def packs_weights(device: torch.device) -> bool:
     return backend(device) == "cpu"
 
 
-def from_host(values, device: torch.device, dtype=None) -> torch.Tensor:
+def from_host(values, device: torch.device) -> torch.Tensor:
     """Host values (an array or a list) on device without the host waiting for it: on CUDA a
     copy from pageable memory synchronises with the stream, one from pinned memory does not."""
-    tensor = torch.as_tensor(values, dtype=dtype)
+    tensor = torch.as_tensor(values)
     return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
 
 
