@@ -28,17 +28,23 @@ class TokenLogprob:
 class HeadPages:
     """The pages of a sequence whose heads hold different numbers of pairs (an uneven method,
     after its first eviction); before it, and for every other method, each head's pages are
-    those of the sequence's blocks (KVCache.pages). The sequences evicted together share
-    one set of tensors, each its own row of it, so that a step gathers them per group."""
+    those of the sequence's blocks (KVCache.pages). Sequences share one set of tensors, each
+    its own row of it: those evicted together, then those a step stacked (stack)."""
     tables: torch.Tensor   # [S, L, Hkv, W] int32: each head's pages, room for what it reads until the next eviction
     lens: torch.Tensor     # [S, L, Hkv] int32: pairs each head held right after the last eviction
-    row: int               # this sequence's, of the S evicted with it
+    row: int               # this sequence's, of the S sharing the tensors
     slots: int             # num_kv_slots then: every head has taken num_kv_slots - slots pairs since
 
     @staticmethod
     def stack(pages: list[HeadPages]) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables [N, L, Hkv, W] (W the widest; narrower ones padded with page 0, never read)
-        and lens [N, L, Hkv] of N sequences' pages, in one gather per group evicted together."""
+        and lens [N, L, Hkv] of N sequences' pages, in one gather per group sharing tensors.
+        Each is then re-pointed at its row of the result, so that the next step of the same
+        sequences, if none evicts, gathers nothing."""
+        first = pages[0]
+        if all(page.tables is first.tables and page.row == i for i, page in enumerate(pages)) \
+                and len(pages) == len(first.tables):
+            return first.tables, first.lens
         groups = {}
         for i, page in enumerate(pages):
             groups.setdefault(id(page.tables), []).append(i)
@@ -57,6 +63,8 @@ class HeadPages:
             inverse[order] = torch.arange(len(order))
             inverse = kernels.from_host(inverse, tables.device)
             tables, lens = tables[inverse], lens[inverse]
+        for row, page in enumerate(pages):
+            page.tables, page.lens, page.row = tables, lens, row
         return tables, lens
 
 
