@@ -77,7 +77,7 @@ def parts() -> list[Part]:
     tests took 68 s, the kernel tests 50, the kernel benchmarks 27, paper mode 46, workload mode
     about 85, host mode 23, offload mode 29 and memcheck 31; on an H100 the kernel tests took 60 s
     and the gpu-marked tests ran past 75 (docs/PERF.md)."""
-    pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]   # one process: no pytest-xdist there
     return [
         Part("gpu-marked tests", [*pytest, "-m", "gpu", *gpu_test_files()], 100, figures=gpu_targets.tests),
         Part("kernel tests, compiled on the GPU", [*pytest, "-m", "not gpu", *KERNEL_TESTS], 75,
