@@ -40,6 +40,7 @@ class EngineConfig(EvictionSettings):
     max_model_len: int | None = None    # prompt + output limit; default: the model's context
     seed: int = 0                       # for requests that give no seed of their own
     enforce_eager: bool = False         # CUDA: no decode graphs (debugging, profiling)
+    overlap_steps: bool = True          # the next step is scheduled and launched before this one's tokens are read
     enable_prefix_caching: bool = True  # prompts that start alike share the KV blocks of their common start
     kv_cache_dtype: str = "auto"        # "auto" (the model's dtype), "int8" or "fp8" (e4m3): a quantized cache
     num_threads: int | None = None      # CPU threads for torch's ops, for the whole process; None: torch's own
@@ -77,6 +78,7 @@ class EngineConfig(EvictionSettings):
         check_int("max_model_len", self.max_model_len, 2, optional=True)
         check_int("seed", self.seed, *SEED_RANGE)
         check_bool("enforce_eager", self.enforce_eager)
+        check_bool("overlap_steps", self.overlap_steps)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         check_int("num_threads", self.num_threads, 1, optional=True)

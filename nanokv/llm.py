@@ -28,8 +28,8 @@ from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.offload_costs import SwapCost
 from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
-from nanokv.engine.sampler import FAILED
-from nanokv.engine.scheduler import Scheduler
+from nanokv.engine.sampler import FAILED, SampledTokens
+from nanokv.engine.scheduler import ScheduledBatch, Scheduler
 from nanokv.engine.sequence import Sequence
 from nanokv.engine.timing import StepClock, Timings
 from nanokv.engine.workers import cpu_threads, start_workers
@@ -112,6 +112,7 @@ class LLM:
         self.requests: dict[int, _Request] = {}
         self._ids = count()
         self._timings: Timings | None = None   # inside timing()
+        self._in_flight: SampledTokens | None = None   # launched, its tokens not read yet (overlap_steps)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -186,7 +187,7 @@ class LLM:
             self.scheduler.finish(request.seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished()   # a step in flight holds none that is not there
 
     def stats(self) -> EngineStats:
         """A snapshot of what the engine holds: requests, KV blocks, preemptions (and, inside
@@ -214,18 +215,43 @@ class LLM:
     # ----- stepping -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns an output for every request that got a new token."""
+        """Run one batch; returns an output for every request that got a new token. With
+        overlap_steps the tokens a step samples are read in the next one, after it has
+        launched the step after: its outputs are those of the step before."""
         return self._step(every_token=True)
 
     def _step(self, every_token: bool) -> list[RequestOutput]:
-        """One step; outputs of the requests that got a token (every_token) or finished."""
+        """One step: schedule and launch the next batch, then read the tokens of the one before
+        it (or of this one, when it does not overlap); outputs of the requests that got a token
+        (every_token) or finished."""
         clock = StepClock(self._timings, self.device)
+        previous, self._in_flight = self._in_flight, None
         batch = self.scheduler.schedule()
         clock.lap("schedule")
-        if not batch:
+        if not batch and previous is None:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("requests are waiting but none can be scheduled")
             return []
+        launched = None
+        if batch:
+            try:
+                launched = self._launch(batch, clock)
+            except Exception:
+                self._in_flight = previous   # read by the next step: nothing sampled is lost
+                raise
+        outputs = self._read(previous, every_token, clock) if previous is not None else []
+        if launched is not None:
+            if self._overlaps(launched):
+                self._in_flight = launched
+            else:
+                outputs += self._read(launched, every_token, clock)
+        clock.lap("outputs")
+        clock.end(decode=not batch or max(batch.num_new_tokens) == 1, launched=bool(batch))
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, clock: StepClock) -> SampledTokens:
+        """Run the batch: the device has the step queued when this returns, and the scheduler
+        has counted it, its sampled tokens pending."""
         try:
             if self.workers is not None:
                 self.workers.send(batch)
@@ -237,23 +263,40 @@ class LLM:
             if self.workers is not None:   # the ranks are out of step: a worker that ended says so; all end
                 self.workers.fail()
             raise
-        errors = iter(self.runner.sampler.errors.values())   # the rows that could not be sampled, in order
-        failed = {seq_id: next(errors) for seq_id, token in sampled.items() if token == FAILED}
-        for seq_id in failed:
-            del sampled[seq_id]
-        done = {seq.seq_id: reason for seq, reason in self.scheduler.update(batch, sampled)}
+        self.scheduler.advance(batch, sampled.seqs)
         clock.lap("update")
-        outputs = [self._fail(self.requests[seq_id], error) for seq_id, error in failed.items()]
-        for seq_id, token in sampled.items():
-            request = self.requests[seq_id]
+        return sampled
+
+    def _overlaps(self, sampled: SampledTokens) -> bool:
+        """Whether the next step may be scheduled before these tokens are read: not with
+        overlap_steps off; not with tensor-parallel workers (each is sent the tokens it feeds);
+        nor where a request must not run past its last token: a row that failed, logprobs
+        (recorded as sampled), kept positions (read when it ends)."""
+        return self.config.overlap_steps and self.workers is None and not sampled.errors and not any(
+            seq.logprobs is not None or seq.params.return_kept_positions for seq in sampled.seqs)
+
+    def _read(self, sampled: SampledTokens, every_token: bool, clock: StepClock) -> list[RequestOutput]:
+        """The step's tokens read and recorded: stops checked, text detokenized, outputs made.
+        A token of a request that finished since (a stop the step before, an abort) is dropped."""
+        tokens = sampled.read()
+        done = {seq.seq_id: reason for seq, reason in self.scheduler.record(sampled.seqs, tokens)}
+        clock.lap("update")
+        errors = iter(sampled.errors.values())   # the rows that could not be sampled, in order
+        outputs = []
+        for seq, token in zip(sampled.seqs, tokens):
+            request = self.requests.get(seq.seq_id)
+            error = next(errors) if token == FAILED else None
+            if request is None or seq.is_finished:   # aborted, or ended by a stop string the step before
+                continue
+            if error is not None:
+                outputs.append(self._fail(request, error))
+                continue
             try:
-                out = self._emit(request, token, every_token, done.get(seq_id))
+                out = self._emit(request, token, every_token, done.get(seq.seq_id))
                 if out is not None:
                     outputs.append(out)
             except Exception as error:   # this request's own failure: it ends, the others go on
                 outputs.append(self._fail(request, error, token))
-        clock.lap("outputs")
-        clock.end(decode=max(batch.num_new_tokens) == 1)
         return outputs
 
     def _fail(self, request: _Request, error: Exception, token: int | None = None) -> RequestOutput:

@@ -47,19 +47,21 @@ def llm(bundled_dir):
 
 def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(llm, monkeypatch):
     chat = Chat(llm, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), out=io.StringIO())
-    step, calls = llm.step, []
+    step, calls, shown = llm.step, [], []
 
     def interrupted_step():
         calls.append(1)
         if len(calls) == 4:
             raise KeyboardInterrupt
-        return step()
+        outputs = step()
+        shown.extend(token for out in outputs for token in out.new_token_ids)
+        return outputs
     monkeypatch.setattr(llm, "step", interrupted_step)
     partial = chat.reply("Tell me a long story about a cat.")
     monkeypatch.setattr(llm, "step", step)
     assert "[stopped]" in chat.out.getvalue()
     assert not llm.has_unfinished() and llm.blocks.num_free == llm.blocks.num_blocks
-    assert chat.last_stats["output_tokens"] == 3
+    assert chat.last_stats["output_tokens"] == len(shown) > 0
     assert chat.messages == [{"role": "user", "content": "Tell me a long story about a cat."},
                              {"role": "assistant", "content": partial}]
     chat.reply("Now a short one.")   # the conversation goes on, with the cut reply in it

@@ -20,7 +20,7 @@ from nanokv.engine import evict, memory
 from nanokv.engine.block_table import BlockTables
 from nanokv.engine.cuda_graphs import DecodeGraphs
 from nanokv.engine.offload_costs import PositionCost, best_split, measure_link_and_device
-from nanokv.engine.sampler import FAILED, Sampler, token_logprobs
+from nanokv.engine.sampler import FAILED, SampledTokens, Sampler, token_logprobs
 from nanokv.engine.scheduler import ScheduledBatch
 from nanokv.engine.sequence import HeadPages, Sequence
 from nanokv.engine.timing import StepClock
@@ -72,6 +72,9 @@ class ModelRunner:
             self.host_cache = self._host_tier()
             self.evictor = evict.Evictor(self.kv_cache, model.shard)
             self.sampler = Sampler(device, config.seed)
+            # Each running sequence's last sampled token, by block-table row: what it feeds next
+            # while the host has not read it (Sequence.num_pending).
+            self.next_tokens = torch.zeros(config.max_num_seqs, dtype=torch.long, device=device)
             self.graphs = None
             if self.uses_graphs:
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.decode_workspace, config.max_num_seqs,
@@ -160,8 +163,7 @@ class ModelRunner:
         starts = [seq.num_computed_tokens for seq in seqs]
         cu_seqlens = list(accumulate(num_new, initial=0))
         step = StepInputs()
-        ends = [i for i, (seq, start, n) in enumerate(zip(seqs, starts, num_new))
-                if start + n == seq.num_prompt_tokens + len(seq.output_token_ids)]
+        ends = [i for i, (seq, start, n) in enumerate(zip(seqs, starts, num_new)) if start + n == seq.num_tokens]
         step.sampled_seqs = [seqs[i] for i in ends]            # the chunk reaches the end: sample the next token
         step.sample_rows = [cu_seqlens[i + 1] - 1 for i in ends]
         for i in [i for i, seq in enumerate(seqs) if seq.prompt_logprobs is not None]:   # rows predicting a prompt token
@@ -172,11 +174,14 @@ class ModelRunner:
         n = np.array(num_new)
         row_seq = np.repeat(np.arange(len(seqs)), n)                      # [T]: each row's sequence
         from_end = np.repeat(np.array(cu_seqlens[1:]), n) - np.arange(cu_seqlens[-1])   # 1 for a chunk's last row
+        # A decode of a token still on its way to the host (pending) feeds it from next_tokens; 0 until then.
+        pending = [i for i, seq in enumerate(seqs) if seq.num_pending]
         if len(ends) == len(seqs) == cu_seqlens[-1]:   # decodes only: each feeds its last token
-            ids = np.array([seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
-                            for seq in seqs])
+            ids = np.array([0 if seq.num_pending else seq.output_token_ids[-1] if seq.output_token_ids
+                            else seq.prompt_token_ids[-1] for seq in seqs])
         else:
-            ids = np.fromiter(chain.from_iterable(seq.tokens(start, k) for seq, start, k in zip(seqs, starts, num_new)),
+            ids = np.fromiter(chain.from_iterable([0] if seq.num_pending else seq.tokens(start, k)
+                                                  for seq, start, k in zip(seqs, starts, num_new)),
                               dtype=np.int64, count=cu_seqlens[-1])
         positions = np.array(starts)[row_seq] + n[row_seq] - from_end   # true positions, also after eviction
         tables, lens, max_context_len = self._step_pages(seqs, n, cache or self.kv_cache)
@@ -186,6 +191,12 @@ class ModelRunner:
         squares = scores and any(m.squares_scores for m in methods)
         skips = scores and any(m.score_skip for m in methods)
         step.input_ids, step.positions = self._to_device(ids), self._to_device(positions)
+        if pending:
+            from_device = self.next_tokens[self._array([seqs[i].block_table.row for i in pending], np.int64)]
+            if len(pending) == len(ids):
+                step.input_ids = from_device
+            else:
+                step.input_ids[self._array([cu_seqlens[i] for i in pending], np.int64)] = from_device
         step.meta = AttentionMetadata(
             slot_mapping=self._slot_mapping(tables, lens, self._to_device(row_seq), self._to_device(from_end)),
             cu_seqlens_q=self._to_device(np.array(cu_seqlens, dtype=np.int32)), context_lens=lens,
@@ -244,7 +255,7 @@ class ModelRunner:
         return kernels.from_host(array, self.device)
 
     def _array(self, values: list, dtype) -> torch.Tensor:
-        return self._to_device(np.array(values, dtype=dtype))
+        return kernels.from_host(np.array(values, dtype=dtype), self.device)
 
     def _step_pages(self, seqs: list[Sequence], num_new: np.ndarray,
                     cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -291,9 +302,10 @@ class ModelRunner:
         return pages.long() * self.block_size + index % self.block_size
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, clock: StepClock | None = None) -> dict[int, int]:
-        """Copy cached blocks, evict, then one forward pass; returns seq_id -> sampled token for the
-        sequences whose chunk reached their end. clock: laps the phases (LLM.timing)."""
+    def run(self, batch: ScheduledBatch, clock: StepClock | None = None) -> SampledTokens | None:
+        """Copy cached blocks, evict, then one forward pass; returns the tokens sampled for the
+        sequences whose chunk reached their end, on their way to the host (None on a worker of
+        a split model: rank 0 samples). clock: laps the phases (LLM.timing)."""
         clock = clock or StepClock(None, self.device)
         with on_device(self.device):
             self._swap(batch)
@@ -312,17 +324,20 @@ class ModelRunner:
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
             if self.model.shard.rank:   # a worker of a split model: rank 0 samples
-                return {}
+                return None
             logits = self.model.compute_logits(hidden[self._array(step.sample_rows, np.int64)]) \
                 if step.sample_rows else None
             clock.lap("forward")
             self._record_prompt_logprobs(hidden, step)
-            seqs, tokens = step.sampled_seqs, []
+            seqs = step.sampled_seqs
+            tokens = torch.empty(0, dtype=torch.long, device=self.device)
             if logits is not None:
-                tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
-                self._record_logprobs(logits, tokens, seqs)
+                tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+                self.next_tokens[self._array([s.block_table.row for s in seqs], np.int64)] = tokens
+                if any(seq.logprobs is not None for seq in seqs):
+                    self._record_logprobs(logits, tokens.tolist(), seqs)
             clock.lap("sample")
-            return dict(zip((s.seq_id for s in seqs), tokens))
+            return SampledTokens(seqs, tokens, dict(self.sampler.errors))
 
     def _swap(self, batch: ScheduledBatch) -> None:
         """Blocks to the host tier (preempted sequences', spilled cached ones), then back from it

@@ -1,14 +1,36 @@
 """The batched sampler: one token per row of logits, every row with its own parameters;
-and the log-probabilities of given tokens under rows of logits."""
+the sampled tokens' way to the host; and the log-probabilities of given tokens under rows
+of logits."""
 from __future__ import annotations
 
 import torch
 
 import kernels
-from nanokv.engine.sequence import TokenLogprob
+from nanokv.engine.sequence import Sequence, TokenLogprob
 from nanokv.sampling_params import SamplingParams
 
 FAILED = -1   # the token of a row that could not be sampled (its error is in Sampler.errors)
+
+
+class SampledTokens:
+    """A step's sampled tokens, one per sequence of seqs, copied to the host behind the step:
+    read() waits for that copy only, not for what was launched after it. errors: the rows
+    that could not be sampled (Sampler.errors)."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, errors: dict[int, Exception]):
+        self.seqs, self.errors = seqs, errors
+        self.ready = None
+        if tokens.is_cuda:
+            self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.tokens = tokens
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.tokens.tolist()
 
 
 class Sampler:

@@ -1,6 +1,8 @@
 """Which sequences run in the next step, how many tokens each, and who evicts.
 
-Continuous batching: sequences join and leave the running set every step.
+Continuous batching: sequences join and leave the running set every step. A step is
+scheduled before the tokens of the one before it are read (LLM.step): a sequence's last token
+may be pending, on the device; it is counted, its value read later (advance, then record).
 Each step fills a token budget: first the running sequences (one token per
 decoding sequence, or the next chunk of an unfinished prompt), then newly
 admitted prompts. Admission reserves blocks for what a sequence can hold at
@@ -19,7 +21,7 @@ Prefix caching (prefix_cache.py): a sequence is admitted with the
 longest run of cached full blocks that starts its tokens already computed, as
 far as its method allows (KVMethod.reusable_tokens). A sequence that never
 evicts shares those blocks, and enters its own full blocks into the cache in
-the step that fills them; one that evicts writes into its blocks (compaction,
+the step that fills them (or, filled by a sampled token, once the token is read); one that evicts writes into its blocks (compaction,
 scores), so it takes a copy of computed ones and enters nothing. A block is
 written once, by the sequence that fills it: a shared block is never modified.
 """
@@ -33,6 +35,7 @@ from nanokv.engine.block_manager import BlockManager
 from nanokv.engine.block_table import OFFLOADED, BlockTables
 from nanokv.engine.offload_costs import SwapCost
 from nanokv.engine.prefix_cache import Hit
+from nanokv.engine.sampler import FAILED
 from nanokv.engine.sequence import Sequence, Status, Swap
 
 
@@ -104,7 +107,8 @@ class Scheduler:
                 budget -= self._plan(seq, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            room = None if seq.seq_id in batch.preempted else self._room_for(seq, budget)
+            # preempted in this step, or with a token still pending (its tokens are not all known)
+            room = None if seq.seq_id in batch.preempted or seq.num_pending else self._room_for(seq, budget)
             if room is None:
                 break
             self.waiting.popleft()
@@ -206,7 +210,9 @@ class Scheduler:
 
     def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Put seq's next chunk (and the eviction before it) in the batch; returns its
-        length, 0 if seq had to be preempted for lack of blocks."""
+        length, 0 if seq had to be preempted for lack of blocks or its pending token is its last."""
+        if self._reached_length(seq, len(seq.output_token_ids) + seq.num_pending):
+            return 0
         evict, slots, n, kept, room = self._step_room(seq, budget)
         if not self._make_room(seq, room, batch):
             return 0
@@ -215,10 +221,15 @@ class Scheduler:
             seq.num_kv_slots = slots   # the runner compacts before the forward pass
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
-        full = (seq.num_computed_tokens + n) // self.blocks.block_size
-        if self.blocks.cache is not None and seq.method.shares_blocks and full > len(seq.prefix_serials):
-            self.blocks.cache.add(seq.prefix_serials, seq.block_table.ids, seq.token_ids, seq.num_computed_tokens + n)
+        self._enter_full_blocks(seq, min(seq.num_computed_tokens + n, seq.num_tokens - seq.num_pending))
         return n
+
+    def _enter_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Enter seq's full blocks of its first num_tokens tokens, known and computed by the step
+        launched last, into the prefix cache (a block its pending token fills: when it is read)."""
+        if self.blocks.cache is not None and seq.method.shares_blocks \
+                and num_tokens // self.blocks.block_size > len(seq.prefix_serials):
+            self.blocks.cache.add(seq.prefix_serials, seq.block_table.ids, seq.token_ids, num_tokens)
 
     def _make_room(self, seq: Sequence, num_slots: int, batch: ScheduledBatch) -> bool:
         """Give seq blocks for num_slots slots, preempting newer sequences if the pool is
@@ -283,28 +294,43 @@ class Scheduler:
         return mode != "recompute" and num_blocks <= self.blocks.num_host_free and (
             mode == "swap" or self.swap_cost.pays(num_blocks, seq.num_computed_tokens))
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[tuple[Sequence, str]]:
-        """Record the step: tokens computed, blocks emptied by eviction, tokens sampled
-        (seq_id -> token). Returns the sequences now done, with why; the caller finishes them."""
+    def advance(self, batch: ScheduledBatch, sampled: list[Sequence]) -> None:
+        """Record the step just launched: tokens computed, blocks emptied by eviction, and a
+        token pending for each sequence in sampled (its value is read a step later: record)."""
         if self.blocks.cache is not None:
-            self.blocks.cache.commit()   # the blocks the step filled are computed
+            self.blocks.cache.commit()   # the blocks the step fills are computed before any later step reads them
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             seq.num_kv_slots += n
         for eviction in batch.evictions:   # compacted: the blocks beyond those it keeps go back
             self.blocks.free(eviction.seq.block_table.cut(eviction.num_blocks_kept))
+        for seq in sampled:
+            seq.num_pending += 1
+
+    def record(self, sampled: list[Sequence], tokens: list[int]) -> list[tuple[Sequence, str]]:
+        """The pending tokens of a step, read: each becomes its sequence's next output token,
+        unless the sequence finished since (a stop seen a step later, an abort), then it is
+        dropped. Returns the sequences now done, with why; the caller finishes them."""
         done = []
-        for seq in batch.seqs:
-            token = sampled.get(seq.seq_id)
-            if token is None:
+        for seq, token in zip(sampled, tokens):
+            seq.num_pending -= 1
+            if seq.is_finished or token == FAILED:   # a row that failed: the caller ends it
                 continue
             seq.output_token_ids.append(token)
+            if seq.status == Status.RUNNING:
+                self._enter_full_blocks(seq, seq.num_computed_tokens)
             p = seq.params
             if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
                 done.append((seq, "stop"))
-            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            elif self._reached_length(seq, len(seq.output_token_ids)):   # not counting one pending since
                 done.append((seq, "length"))
+        if self.blocks.cache is not None:
+            self.blocks.cache.commit()   # what was entered here is computed: its step was launched
         return done
+
+    def _reached_length(self, seq: Sequence, num_outputs: int) -> bool:
+        """num_outputs output tokens reach seq's max_tokens or max_model_len: none follows."""
+        return num_outputs >= seq.params.max_tokens or seq.num_prompt_tokens + num_outputs >= self.config.max_model_len
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End seq (when done, on a stop string, on abort) and return its blocks."""

@@ -95,6 +95,7 @@ class Sequence:
     method: KVMethod = field(default_factory=KVMethod)
     max_slots: int = 0                 # the most tokens it will ever feed (prompt + max_tokens - 1)
     num_computed_tokens: int = 0       # tokens run through the model (their positions are taken)
+    num_pending: int = 0               # sampled on the device, not read yet (0 or 1): the last of its tokens
     num_kv_slots: int = 0              # KV pairs it holds per head; below num_computed_tokens once it evicts
     finish_reason: str | None = None   # "length", "stop", "abort" or "error"
     generator: torch.Generator | None = None  # the request's own, when it has a seed
@@ -114,6 +115,7 @@ class Sequence:
 
     @property
     def token_ids(self) -> list[int]:
+        """Its tokens known on the host (a pending one is not)."""
         return self.prompt_token_ids + self.output_token_ids
 
     def tokens(self, start: int, n: int) -> list[int]:
@@ -125,7 +127,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prompt_tokens + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids) + self.num_pending
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -55,11 +55,13 @@ class StepClock:
             self.laps[phase] += now - self.last
             self.last = now
 
-    def end(self, decode: bool) -> None:
+    def end(self, decode: bool, launched: bool = True) -> None:
+        """The step's laps added to its kind's; one that launched nothing (it only read the
+        tokens of the step before) adds its time but no step."""
         if self.timings is None:
             return
         kind = "decode" if decode else "prefill"
         totals = getattr(self.timings, kind)
         for phase, seconds in self.laps.items():
             totals[phase] += seconds
-        setattr(self.timings, f"{kind}_steps", getattr(self.timings, f"{kind}_steps") + 1)
+        setattr(self.timings, f"{kind}_steps", getattr(self.timings, f"{kind}_steps") + launched)

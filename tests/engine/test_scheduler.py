@@ -46,7 +46,8 @@ def test_steps_respect_token_and_sequence_limits(tiny_dir):
         sizes = set(batch.num_new_tokens)
         mixed |= 1 in sizes and any(n > 1 for n in sizes)
         sampled = llm.runner.run(batch)
-        for seq, reason in llm.scheduler.update(batch, sampled):
+        llm.scheduler.advance(batch, sampled.seqs)
+        for seq, reason in llm.scheduler.record(sampled.seqs, sampled.read()):
             llm.scheduler.finish(seq, reason)
     assert mixed, "no step mixed a prefill chunk with decodes"
     assert llm.blocks.num_free == 256

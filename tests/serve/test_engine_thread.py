@@ -30,7 +30,8 @@ def test_a_step_hands_its_outputs_to_the_event_loop_in_one_call(model_dir):
         return len(calls), received
 
     num_calls, received = asyncio.run(run())
-    assert num_calls == 1 + engine.num_steps   # the group's request ids, then one a step
+    # the group's request ids, then one a step that had outputs (the eight's, all in step)
+    assert num_calls == 1 + (len(received) - 1) // 8 <= 1 + engine.num_steps
     for index in range(8):
         tokens = [len(out.token_ids) for i, out in received[1:] if i == index]
         assert tokens == list(range(1, 13))

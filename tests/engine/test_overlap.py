@@ -1,0 +1,151 @@
+"""Overlapped steps: the next step is scheduled and launched before the tokens of the one
+before it are read. Requests get exactly what they get with overlap off: a request that
+stopped has its one extra token dropped, never shown."""
+import traceback
+import warnings
+
+import pytest
+import torch
+
+from helpers import preemption_prompts
+from nanokv import LLM, SamplingParams
+from nanokv.engine import sampler as sampler_module
+
+METHODS = ["full", "batchmax", "kvcompress", "snapkv", "h2o", "streamingllm", "ed"]
+HOST_GB = 0.002
+
+
+def engine(tiny_dir, overlap: bool, **options) -> LLM:
+    return LLM(str(tiny_dir), dtype="float32", max_model_len=128, overlap_steps=overlap, **options)
+
+
+def requests(method: str, reference: list | None = None) -> list[SamplingParams]:
+    """A full-cache request that grows (in a short pool it preempts the newer ones), then five
+    of method, which stop at different steps: by max_tokens, by a stop token or a stop string
+    taken from what they generate without them (reference), one seeded and sampled, and two
+    short ones (their steps do not overlap) with logprobs and returning their kept positions."""
+    evicts = {} if method == "full" else dict(kv_method=method, kv_budget=32, evict_every=16,
+                                              **({"kv_window": 8} if method == "snapkv" else {}))
+    params = [SamplingParams(temperature=0, max_tokens=80)]
+    params += [SamplingParams(temperature=0, max_tokens=n, **evicts) for n in (31, 45, 10, 12, 27)]
+    params[2] = SamplingParams(temperature=0.8, seed=7, max_tokens=45, **evicts)
+    params[3].logprobs = 2
+    params[4].return_kept_positions = method != "full"
+    if reference is not None:
+        params[1].stop = [reference[1].text[9:11]]
+        params[2].stop_token_ids = [reference[2].token_ids[:18][-1]]
+        params[5].stop_token_ids = [reference[5].token_ids[:4][-1]]
+    return params
+
+
+def results(outputs) -> list[tuple]:
+    return [(o.token_ids, o.text, o.finish_reason, o.kept_positions is None or o.kept_positions.tolist(),
+             None if o.logprobs is None else [(lp.token, round(lp.logprob, 4)) for lp in o.logprobs])
+            for o in outputs]
+
+
+@pytest.mark.parametrize("pool, method", [("roomy", method) for method in METHODS] + [
+    (pool, method) for pool in ("recompute", "swap") for method in ("full", "batchmax", "kvcompress", "streamingllm")])
+def test_overlap_on_and_off_give_the_same_requests_the_same_results(tiny_dir, method, pool):
+    """Stops land at different steps, prompts share cached blocks, and a short pool preempts
+    (recomputed, or swapped to the host tier) where the method's requests grow into it."""
+    options = {"roomy": dict(num_kv_blocks=160), "recompute": dict(num_kv_blocks=9, preemption_mode="recompute"),
+               "swap": dict(num_kv_blocks=9, preemption_mode="swap", kv_offload_gb=HOST_GB)}[pool]
+    prompts = preemption_prompts()
+    off = engine(tiny_dir, False, **options)
+    reference = off.generate(prompts, requests(method))
+    params = requests(method, reference)
+    expected = results(off.generate(prompts, params))
+    on = engine(tiny_dir, True, **options)
+    assert results(on.generate(prompts, params)) == expected
+    if pool != "roomy":
+        assert on.stats().preemptions > 0
+    assert on.blocks.num_free == on.blocks.num_blocks and not on.has_unfinished()
+
+
+@pytest.mark.parametrize("method", ["full", "batchmax"])
+def test_streamed_outputs_match_and_none_follows_a_finished_one(tiny_dir, method):
+    """Through step(), with one request aborted mid-stream: each request's outputs add up to
+    what generate() gives (the aborted one's to a prefix of it), and after a request's
+    finished output no other comes."""
+    prompts = preemption_prompts()
+    params = requests(method, engine(tiny_dir, False, num_kv_blocks=160).generate(prompts, requests(method)))
+    llm = engine(tiny_dir, True, num_kv_blocks=160)
+    expected = llm.generate(prompts, params)
+    ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
+    tokens, finished, aborted = {i: [] for i in ids}, set(), ids[2]
+    while llm.has_unfinished():
+        for out in llm.step():
+            assert out.request_id not in finished
+            tokens[out.request_id] += out.new_token_ids
+            assert tokens[out.request_id] == out.token_ids
+            if out.finished:
+                finished.add(out.request_id)
+            if out.request_id == aborted and len(out.token_ids) == 5:
+                llm.abort(aborted)
+                finished.add(aborted)
+    for i, out in zip(ids, expected):
+        assert tokens[i] == (out.token_ids[:5] if i == aborted else out.token_ids)
+    assert llm.blocks.num_free == llm.blocks.num_blocks
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_step_launches_before_the_tokens_of_the_one_before_are_read(tiny_dir, monkeypatch, overlap):
+    """The host reads step n's tokens after step n + 1 is launched (overlap), or before it
+    is scheduled (overlap off; and any step with logprobs)."""
+    llm = engine(tiny_dir, overlap, num_kv_blocks=160)
+    events = []
+    run, read = llm.runner.run, sampler_module.SampledTokens.read
+
+    def launch(batch, clock=None):
+        sampled = run(batch, clock)
+        sampled.step = sum(kind == "launch" for kind, _ in events)
+        events.append(("launch", sampled.step))
+        return sampled
+
+    def reading(sampled):
+        events.append(("read", sampled.step))
+        return read(sampled)
+    monkeypatch.setattr(llm.runner, "run", launch)
+    monkeypatch.setattr(sampler_module.SampledTokens, "read", reading)
+    prompts = preemption_prompts()[:3]
+    llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3)
+    launches = [kind for kind, _ in events].count("launch")
+    assert launches == 8 and sorted(step for kind, step in events if kind == "read") == list(range(launches))
+    for step in range(launches - 1):
+        read_at, next_at = events.index(("read", step)), events.index(("launch", step + 1))
+        assert (next_at < read_at) == overlap
+    events.clear()
+    llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)] * 3)
+    assert all(events[i][0] != events[i + 1][0] for i in range(len(events) - 1))   # launch, read, launch, ...
+
+
+def test_overlap_steps_is_checked(tiny_dir):
+    with pytest.raises((TypeError, ValueError), match="overlap_steps"):
+        LLM(str(tiny_dir), dtype="float32", overlap_steps="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["full", "batchmax"])
+def test_a_step_is_launched_without_waiting_for_the_gpu(tiny_dir, method):
+    """What the CPU tests cannot see: from the swap to the sampled tokens' copy, a step makes
+    the host wait for the device nowhere (a sync-debug warning would say where)."""
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, num_kv_blocks=200, device="cuda")
+    run, waits, launches = llm.runner.run, [], []
+
+    def watched(batch, clock=None):
+        launches.append(len(batch))
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = lambda *_, **__: waits.append(traceback.extract_stack()[-3:])
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return run(batch, clock)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    evicts = {} if method == "full" else dict(kv_method=method, kv_budget=64, evict_every=16)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, ignore_eos=True, **evicts)
+    llm.generate(preemption_prompts(), params)   # the decode graphs captured (that waits) before
+    llm.runner.run = watched
+    llm.generate(preemption_prompts(), params)
+    assert len(launches) > 40 and waits == []
