@@ -30,7 +30,7 @@ from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.sampler import FAILED, SampledTokens
 from nanokv.engine.scheduler import ScheduledBatch, Scheduler
-from nanokv.engine.sequence import Sequence
+from nanokv.engine.sequence import Sequence, Status
 from nanokv.engine.timing import StepClock, Timings
 from nanokv.engine.workers import cpu_threads, start_workers
 from nanokv.eviction import EvictionSettings, KVMethod, method_for
@@ -282,11 +282,11 @@ class LLM:
         done = {seq.seq_id: reason for seq, reason in self.scheduler.record(sampled.seqs, tokens)}
         clock.lap("update")
         errors = iter(sampled.errors.values())   # the rows that could not be sampled, in order
-        outputs = []
+        outputs, requests = [], self.requests
         for seq, token in zip(sampled.seqs, tokens):
-            request = self.requests.get(seq.seq_id)
-            error = next(errors) if token == FAILED else None
-            if request is None or seq.is_finished:   # aborted, or ended by a stop string the step before
+            error = next(errors) if sampled.errors and token == FAILED else None
+            request = requests.get(seq.seq_id)
+            if request is None or seq.status is Status.FINISHED:   # aborted, or ended by a stop string the step before
                 continue
             if error is not None:
                 outputs.append(self._fail(request, error))
@@ -336,9 +336,9 @@ class LLM:
             hit = [i for i in (request.text.find(s) for s in stops) if i >= 0]
             if hit:
                 request.text, reason = request.text[:min(hit)], "stop"
-        if reason is not None:
+        finished = reason is not None
+        if finished:
             self._finish(seq, reason)
-        finished = seq.is_finished
         # While running, hold back a tail that might still grow into a stop string.
         held = 0 if finished or not stops else max(map(len, stops)) - 1
         upto = max(request.streamed, len(request.text) - held)
@@ -355,7 +355,8 @@ class LLM:
         """The request's output: its text up to upto, what the step added, and what it asked for."""
         seq = request.seq
         return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids, request.text[:upto],
-                             list(seq.output_token_ids), new_text, new_token_ids, seq.is_finished, seq.finish_reason,
+                             list(seq.output_token_ids), new_text, new_token_ids, seq.status is Status.FINISHED,
+                             seq.finish_reason,
                              prompt_logprobs=seq.prompt_logprobs,
                              logprobs=None if seq.logprobs is None else list(seq.logprobs),
                              kept_positions=seq.kept_positions, error=error, num_cached_tokens=seq.num_cached_tokens)

@@ -72,9 +72,7 @@ class ModelRunner:
             self.host_cache = self._host_tier()
             self.evictor = evict.Evictor(self.kv_cache, model.shard)
             self.sampler = Sampler(device, config.seed)
-            # Each running sequence's last sampled token, by block-table row: what it feeds next
-            # while the host has not read it (Sequence.num_pending).
-            self.next_tokens = torch.zeros(config.max_num_seqs, dtype=torch.long, device=device)
+            self.last_sampled: SampledTokens | None = None   # what the sequences with a token pending feed next
             self.graphs = None
             if self.uses_graphs:
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.decode_workspace, config.max_num_seqs,
@@ -174,9 +172,11 @@ class ModelRunner:
         n = np.array(num_new)
         row_seq = np.repeat(np.arange(len(seqs)), n)                      # [T]: each row's sequence
         from_end = np.repeat(np.array(cu_seqlens[1:]), n) - np.arange(cu_seqlens[-1])   # 1 for a chunk's last row
-        # A decode of a token still on its way to the host (pending) feeds it from next_tokens; 0 until then.
+        # A decode of a token still on its way to the host (pending) feeds it from last_sampled; 0 until then.
         pending = [i for i, seq in enumerate(seqs) if seq.num_pending]
-        if len(ends) == len(seqs) == cu_seqlens[-1]:   # decodes only: each feeds its last token
+        if len(pending) == cu_seqlens[-1]:   # every row feeds a pending token
+            ids = None
+        elif len(ends) == len(seqs) == cu_seqlens[-1]:   # decodes only: each feeds its last token
             ids = np.array([0 if seq.num_pending else seq.output_token_ids[-1] if seq.output_token_ids
                             else seq.prompt_token_ids[-1] for seq in seqs])
         else:
@@ -190,13 +190,11 @@ class ModelRunner:
         scores = any(m.needs_scores for m in methods)
         squares = scores and any(m.squares_scores for m in methods)
         skips = scores and any(m.score_skip for m in methods)
-        step.input_ids, step.positions = self._to_device(ids), self._to_device(positions)
+        step.input_ids = None if ids is None else self._to_device(ids)
+        step.positions = self._to_device(positions)
         if pending:
-            from_device = self.next_tokens[self._array([seqs[i].block_table.row for i in pending], np.int64)]
-            if len(pending) == len(ids):
-                step.input_ids = from_device
-            else:
-                step.input_ids[self._array([cu_seqlens[i] for i in pending], np.int64)] = from_device
+            step.input_ids = self._feed_pending(step.input_ids, [seqs[i] for i in pending],
+                                                [cu_seqlens[i] for i in pending])
         step.meta = AttentionMetadata(
             slot_mapping=self._slot_mapping(tables, lens, self._to_device(row_seq), self._to_device(from_end)),
             cu_seqlens_q=self._to_device(np.array(cu_seqlens, dtype=np.int32)), context_lens=lens,
@@ -250,6 +248,20 @@ class ModelRunner:
                           torch.cat(copied_pages, dim=1) if copied_pages else none, tuple(as_tensors[:2]),
                           self._array(inputs[1], np.int64), slots.flatten(1, 2), self._array(keep_rows, np.int64),
                           tuple(as_tensors[2:]), copies=self.copy_stream)
+
+    def _feed_pending(self, input_ids: torch.Tensor | None, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+        """input_ids (None: the step is those rows) with the pending tokens of seqs, sampled by
+        the step launched last, at rows. A step of the same decodes as the last, in its order,
+        feeds its tokens as they are."""
+        last = self.last_sampled
+        if input_ids is None and len(seqs) == len(last.seqs) and all(a is b for a, b in zip(seqs, last.seqs)):
+            return last.on_device
+        row_of = {id(seq): row for row, seq in enumerate(last.seqs)}
+        tokens = last.on_device[self._array([row_of[id(seq)] for seq in seqs], np.int64)]
+        if input_ids is None:
+            return tokens
+        input_ids[self._array(rows, np.int64)] = tokens
+        return input_ids
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return kernels.from_host(array, self.device)
@@ -329,15 +341,14 @@ class ModelRunner:
                 if step.sample_rows else None
             clock.lap("forward")
             self._record_prompt_logprobs(hidden, step)
-            seqs = step.sampled_seqs
-            tokens = torch.empty(0, dtype=torch.long, device=self.device)
+            seqs, tokens = step.sampled_seqs, None
             if logits is not None:
                 tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-                self.next_tokens[self._array([s.block_table.row for s in seqs], np.int64)] = tokens
                 if any(seq.logprobs is not None for seq in seqs):
                     self._record_logprobs(logits, tokens.tolist(), seqs)
+            self.last_sampled = SampledTokens(seqs, tokens, dict(self.sampler.errors) if tokens is not None else {})
             clock.lap("sample")
-            return SampledTokens(seqs, tokens, dict(self.sampler.errors))
+            return self.last_sampled
 
     def _swap(self, batch: ScheduledBatch) -> None:
         """Blocks to the host tier (preempted sequences', spilled cached ones), then back from it

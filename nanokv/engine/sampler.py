@@ -13,24 +13,23 @@ FAILED = -1   # the token of a row that could not be sampled (its error is in Sa
 
 
 class SampledTokens:
-    """A step's sampled tokens, one per sequence of seqs, copied to the host behind the step:
-    read() waits for that copy only, not for what was launched after it. errors: the rows
-    that could not be sampled (Sampler.errors)."""
+    """A step's sampled tokens, one per sequence of seqs (None: it sampled none): on the device,
+    where the next step reads those it feeds, and copied to the host behind the step: read()
+    waits for that copy only, not for what was launched after it. errors: the rows that could
+    not be sampled (Sampler.errors)."""
 
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, errors: dict[int, Exception]):
-        self.seqs, self.errors = seqs, errors
-        self.ready = None
-        if tokens.is_cuda:
-            self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None, errors: dict[int, Exception]):
+        self.seqs, self.on_device, self.errors = seqs, tokens, errors
+        self.on_host, self.ready = tokens, None
+        if tokens is not None and tokens.is_cuda:
+            self.on_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record()
-        else:
-            self.tokens = tokens
 
     def read(self) -> list[int]:
         if self.ready is not None:
             self.ready.synchronize()
-        return self.tokens.tolist()
+        return [] if self.on_host is None else self.on_host.tolist()
 
 
 class Sampler:

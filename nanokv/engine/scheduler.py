@@ -211,7 +211,7 @@ class Scheduler:
     def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
         """Put seq's next chunk (and the eviction before it) in the batch; returns its
         length, 0 if seq had to be preempted for lack of blocks or its pending token is its last."""
-        if self._reached_length(seq, len(seq.output_token_ids) + seq.num_pending):
+        if seq.num_tokens > seq.max_slots:   # max_tokens or max_model_len reached: its pending token is its last
             return 0
         evict, slots, n, kept, room = self._step_room(seq, budget)
         if not self._make_room(seq, room, batch):
@@ -221,14 +221,14 @@ class Scheduler:
             seq.num_kv_slots = slots   # the runner compacts before the forward pass
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
-        self._enter_full_blocks(seq, min(seq.num_computed_tokens + n, seq.num_tokens - seq.num_pending))
+        if self.blocks.cache is not None:
+            self._enter_full_blocks(seq, min(seq.num_computed_tokens + n, seq.num_tokens - seq.num_pending))
         return n
 
     def _enter_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Enter seq's full blocks of its first num_tokens tokens, known and computed by the step
         launched last, into the prefix cache (a block its pending token fills: when it is read)."""
-        if self.blocks.cache is not None and seq.method.shares_blocks \
-                and num_tokens // self.blocks.block_size > len(seq.prefix_serials):
+        if seq.method.shares_blocks and num_tokens // self.blocks.block_size > len(seq.prefix_serials):
             self.blocks.cache.add(seq.prefix_serials, seq.block_table.ids, seq.token_ids, num_tokens)
 
     def _make_room(self, seq: Sequence, num_slots: int, batch: ScheduledBatch) -> bool:
@@ -311,26 +311,23 @@ class Scheduler:
         """The pending tokens of a step, read: each becomes its sequence's next output token,
         unless the sequence finished since (a stop seen a step later, an abort), then it is
         dropped. Returns the sequences now done, with why; the caller finishes them."""
-        done = []
+        done, cache = [], self.blocks.cache
         for seq, token in zip(sampled, tokens):
             seq.num_pending -= 1
-            if seq.is_finished or token == FAILED:   # a row that failed: the caller ends it
+            if seq.status is Status.FINISHED or token == FAILED:   # a row that failed: the caller ends it
                 continue
-            seq.output_token_ids.append(token)
-            if seq.status == Status.RUNNING:
+            outputs = seq.output_token_ids
+            outputs.append(token)
+            if cache is not None and seq.status is Status.RUNNING:
                 self._enter_full_blocks(seq, seq.num_computed_tokens)
             p = seq.params
             if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
                 done.append((seq, "stop"))
-            elif self._reached_length(seq, len(seq.output_token_ids)):   # not counting one pending since
+            elif seq.num_prompt_tokens + len(outputs) > seq.max_slots:   # max_tokens or max_model_len reached
                 done.append((seq, "length"))
-        if self.blocks.cache is not None:
-            self.blocks.cache.commit()   # what was entered here is computed: its step was launched
+        if cache is not None:
+            cache.commit()   # what was entered here is computed: its step was launched
         return done
-
-    def _reached_length(self, seq: Sequence, num_outputs: int) -> bool:
-        """num_outputs output tokens reach seq's max_tokens or max_model_len: none follows."""
-        return num_outputs >= seq.params.max_tokens or seq.num_prompt_tokens + num_outputs >= self.config.max_model_len
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End seq (when done, on a stop string, on abort) and return its blocks."""

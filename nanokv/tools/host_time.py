@@ -7,11 +7,15 @@ step the device waits for the host. Every method runs under its default schedule
 caching off and on, at each batch size: prompts of --input-len random tokens and
 --output-len new tokens each, all submitted at once. Reported per decode step: the host
 time (every phase but the forward pass) and its parts, and per method the cost of one more
-sequence (the slope up to the largest batch, from one an eighth of it: 64 to 512).
+sequence (the slope up to the largest batch, from one an eighth of it: 64 to 512). Then, per
+step of the whole run untimed, what a device would wait for: the wall time less the forward
+passes', through generate() with overlap_steps off (serial) and on (overlap), and through
+step() as the server streams (step()).
 """
 from __future__ import annotations
 
 import random
+import time
 
 from tqdm import tqdm
 
@@ -23,11 +27,14 @@ from nanokv.tools.method_spec import parse_spec
 from nanokv.tools.throughput import run_context
 
 DEFAULT_SHAPE = "tiny"
-COLUMNS = ("host", *[p for p in PHASES if p != "forward"], "forward")
+COLUMNS = ("host", *[p for p in PHASES if p != "forward"], "forward", "serial", "overlap", "step()")
 
 
 def host_run(llm: LLM, batch: int, method: str, args) -> dict:
-    """One batch run to its end; milliseconds per decode step of each phase."""
+    """One batch run to its end, four times: timed phase by phase (milliseconds per decode step
+    of each), then untimed through generate() with overlap_steps on and off, and through step()
+    as a server streams: per step (prefill steps too), the wall time the forward passes do not
+    account for, what a device waits for."""
     rng = random.Random(0)
     vocab = llm.model_config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(batch)]
@@ -38,8 +45,28 @@ def host_run(llm: LLM, batch: int, method: str, args) -> dict:
         llm.generate(prompts, params)
     steps = timings.decode_steps
     per_step = {phase: 1e3 * seconds / steps for phase, seconds in timings.decode.items()}
+    all_steps = steps + timings.prefill_steps
+    forward_s = timings.decode["forward"] + timings.prefill["forward"]
+
+    def exposed_ms(run) -> float:
+        start = time.perf_counter()
+        run()
+        return 1e3 * (time.perf_counter() - start - forward_s) / all_steps
+
+    def streamed():
+        for prompt in prompts:
+            llm.add_request(prompt, params)
+        while llm.has_unfinished():
+            llm.step()
+    overlap = llm.config.overlap_steps
+    exposed = {}
+    for column, on in (("serial", False), ("overlap", True)):
+        llm.config.overlap_steps = on
+        exposed[column] = exposed_ms(lambda: llm.generate(prompts, params))
+    exposed["step()"] = exposed_ms(streamed)
+    llm.config.overlap_steps = overlap
     return dict(method=method, batch=batch, decode_steps=steps, host=1e3 * timings.host_s("decode") / steps,
-                **per_step)
+                **per_step, **exposed)
 
 
 def bench_host(args, save) -> list[dict]:
@@ -64,7 +91,8 @@ def bench_host(args, save) -> list[dict]:
         llm.close()   # a split engine's ranks end before the next one starts
     print(f"\nhost time per decode step (ms): random:{shape}, {rows[0]['dtype']}, {rows[0]['device']}; prompts of "
           f"{args.input_len} tokens, {args.output_len} new tokens each; |kv| = {args.budgets[0]}, "
-          f"p = {args.evict_every} (evicting methods, default schedules)")
+          f"p = {args.evict_every} (evicting methods, default schedules); serial, overlap, step(): "
+          "the untimed runs' wall time less the forward passes', per step")
     header = ["method", "caching", "batch", *COLUMNS]
     print("  ".join(f"{h:>9}" for h in header))
     for r in rows:
