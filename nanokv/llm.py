@@ -286,7 +286,7 @@ class LLM:
         for seq, token in zip(sampled.seqs, tokens):
             error = next(errors) if sampled.errors and token == FAILED else None
             request = requests.get(seq.seq_id)
-            if request is None or seq.status is Status.FINISHED:   # aborted, or ended by a stop string the step before
+            if request is None or seq.status is Status.FINISHED:   # aborted, or ended by a stop string since
                 continue
             if error is not None:
                 outputs.append(self._fail(request, error))

@@ -22,7 +22,8 @@ class SampledTokens:
         self.seqs, self.on_device, self.errors = seqs, tokens, errors
         self.on_host, self.ready = tokens, None
         if tokens is not None and tokens.is_cuda:
-            self.on_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
+            self.on_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.on_host.copy_(tokens, non_blocking=True)
             self.ready = torch.cuda.Event()
             self.ready.record()
 

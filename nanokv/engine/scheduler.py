@@ -21,9 +21,10 @@ Prefix caching (prefix_cache.py): a sequence is admitted with the
 longest run of cached full blocks that starts its tokens already computed, as
 far as its method allows (KVMethod.reusable_tokens). A sequence that never
 evicts shares those blocks, and enters its own full blocks into the cache in
-the step that fills them (or, filled by a sampled token, once the token is read); one that evicts writes into its blocks (compaction,
-scores), so it takes a copy of computed ones and enters nothing. A block is
-written once, by the sequence that fills it: a shared block is never modified.
+the step that fills them (or, filled by a sampled token, once the token is
+read); one that evicts writes into its blocks (compaction, scores), so it takes
+a copy of computed ones and enters nothing. A block is written once, by the
+sequence that fills it: a shared block is never modified.
 """
 from __future__ import annotations
 
