@@ -56,6 +56,7 @@ def test_overlap_on_and_off_give_the_same_requests_the_same_results(tiny_dir, me
     reference = off.generate(prompts, requests(method))
     params = requests(method, reference)
     expected = results(off.generate(prompts, params))
+    assert [expected[i][2] for i in (1, 2, 5)] == ["stop"] * 3   # the stop string and stop tokens were hit
     on = engine(tiny_dir, True, **options)
     assert results(on.generate(prompts, params)) == expected
     if pool != "roomy":
