@@ -28,12 +28,12 @@ from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import HeadPages, Sequence
 from nanokv.eviction import HeldPairs, KVMethod
 from nanokv.eviction.holes import hole_moves, lowest
-from nanokv.eviction.pages import choose_pages, kept_slots, page_costs, repage
+from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, page_costs, repage
 
 PIECE_BYTES = 256 * 2**20
 # What ranking and choosing allocate per held pair, all of it counted (tests/eviction/test_eviction_cost.py
 # measures it): positions, scores, priorities, the selection's masks and indices; KV-Compress sorts
-# every head's slots three times over.
+# every head's slots into eviction order, then its holes and its movers.
 RANKED_PAIR_BYTES = 96
 UNEVEN_RANKED_PAIR_BYTES = 384
 
@@ -183,20 +183,20 @@ class Evictor:
         method, bs, n = seqs[0].method, self.block_size, width * self.block_size
         pieces = self._pieces(S, method, n, n)   # a head may give up all but its floor
 
-        def ranked(in_piece: slice, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        def ordered(in_piece: slice, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
             held = self._held(seqs[in_piece], tables[in_piece, layers], n, lens[in_piece, layers])
-            return method.keep_priority(held), held.positions
+            return eviction_order(method.keep_priority(held), held.positions, lens[in_piece, layers], bs)
         held_pages = -(-lens // bs)
         costs = torch.empty(S, L, H, width, device=self.device)
         for in_piece, layers in pieces:
-            last = ranked(in_piece, layers)
-            costs[in_piece, layers] = page_costs(*last, lens[in_piece, layers], bs, method.floor_pages(bs))
+            last = ordered(in_piece, layers)
+            costs[in_piece, layers] = page_costs(last[1], lens[in_piece, layers], bs, method.floor_pages(bs))
         kept = kernels.from_host([e.num_slots - e.num_evicted for e in evictions], self.device)
         evicted = self._choose_pages(costs, lens, kept, evictions)
         kept_lens = torch.empty_like(lens)
         for in_piece, layers in pieces:
-            rank = last if len(pieces) == 1 else ranked(in_piece, layers)   # one piece: ranked once
-            moves, kept_lens[in_piece, layers] = kept_slots(*rank, lens[in_piece, layers],
+            order = (last if len(pieces) == 1 else ordered(in_piece, layers))[0]   # one piece: ordered once
+            moves, kept_lens[in_piece, layers] = kept_slots(order, lens[in_piece, layers],
                                                             evicted[in_piece, layers], bs)
             kernels.move_slots(self.cache.per_slot, tables[in_piece, layers], *moves[:2])   # all, unmasked
             self.pair_counts[1] += moves[2].sum()

@@ -2,13 +2,13 @@
 gives up whole pages, chosen across all its heads and layers, so the pairs each
 (layer, KV head) keeps follow its scores instead of one budget for all.
 
-Evicting e pages from a head costs the largest priority among its e * bs lowest slots (the
-empty slots of its partly filled last page counting as the lowest; +inf never goes):
-page_costs. The num_pages cheapest page evictions over all heads are taken, a head's e-th
-before its e+1-th as their costs never decrease, every head keeping at least floor_pages
-pages: choose_pages. Each head then keeps its other slots, the survivors above its new length
-moving into the holes below it: kept_slots. The first and last
-run on the layers a piece at a time, choose_pages on them all.
+Each head's slots are put in eviction order once (eviction_order). Evicting e pages from a
+head costs the largest priority among its e * bs lowest slots (the empty slots of its partly
+filled last page counting as the lowest; +inf never goes): page_costs. The num_pages cheapest
+page evictions over all heads are taken, a head's e-th before its e+1-th as their costs never
+decrease, every head keeping at least floor_pages pages: choose_pages. Each head then keeps its
+other slots, the survivors above its new length moving into the holes below it: kept_slots.
+All but choose_pages run on the layers a piece at a time, choose_pages on them all.
 
 Pure tensor functions of sequences' pages: one sequence's, or (but repage) several
 evicted together along leading dimensions; the eviction surgery (nanokv/engine/evict.py)
@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 
-def _ordered(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
-             block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def eviction_order(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each head's slots in eviction order (empty slots first, other heads' never; ties by
-    position) and their priorities."""
+    position) and their priorities in that order."""
     slot = torch.arange(priority.shape[-1], device=priority.device)
     held_pages = -(-lens // block_size)
     priority = (priority.masked_fill(slot >= lens[..., None], float("-inf"))          # empty: first
@@ -32,11 +32,11 @@ def _ordered(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor
     return order, priority.gather(-1, order)
 
 
-def page_costs(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, block_size: int,
-               floor_pages: int) -> torch.Tensor:
-    """[..., L, H, n / bs]: what evicting each head's e-th page costs (+inf below its floor)."""
-    costs = _ordered(priority, positions, lens, block_size)[1][..., block_size - 1::block_size]
-    count = torch.arange(1, costs.shape[-1] + 1, device=priority.device)
+def page_costs(ordered: torch.Tensor, lens: torch.Tensor, block_size: int, floor_pages: int) -> torch.Tensor:
+    """[..., L, H, n / bs]: what evicting each head's e-th page costs (+inf below its floor),
+    from its priorities in eviction order."""
+    costs = ordered[..., block_size - 1::block_size]
+    count = torch.arange(1, costs.shape[-1] + 1, device=ordered.device)
     held_pages = -(-lens // block_size)
     return costs.masked_fill(count > (held_pages - floor_pages)[..., None], float("inf"))
 
@@ -55,15 +55,15 @@ def choose_pages(costs: torch.Tensor, num_pages: torch.Tensor | int) -> torch.Te
     return evicted[..., :L * H].view(*lead, L, H)
 
 
-def kept_slots(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor,
+def kept_slots(order: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor,
                block_size: int) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """When head (l, h) gives up its evicted[..., l, h] cheapest pages: the moves that fill the
+    """When head (l, h) gives up its evicted[..., l, h] cheapest pages (order: its slots in
+    eviction order): the moves that fill the
     holes its evicted pairs leave below its new length with its survivors above it ((src, dst,
     valid), each [..., L, H, n]: nanokv/eviction/holes.py, here with a count per head; where not
     valid, a slot onto itself) and the new lens [..., L, H]."""
-    n = priority.shape[-1]
-    slot = torch.arange(n, device=priority.device)
-    order = _ordered(priority, positions, lens, block_size)[0]
+    n = order.shape[-1]
+    slot = torch.arange(n, device=order.device)
     rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
     leaving = (rank < (evicted * block_size)[..., None]) & (slot < lens[..., None])
     new_lens = lens - leaving.sum(dim=-1)

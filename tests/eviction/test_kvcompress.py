@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from nanokv.eviction.pages import choose_pages, kept_slots, page_costs, repage
+from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, page_costs, repage
 from oracle import BLOCK, differences, distinct_prompt as prompt, engine
 
 # ----- the block-eviction schedule on its own ---------------------------------------------
@@ -58,8 +58,9 @@ def test_page_eviction_takes_the_cheapest_pages_across_heads(seed):
     room = int((-(-lens // bs) - floor).clamp(min=0).sum())
     num_pages = int(torch.randint(1, room + 1, (), generator=g))
     positions = torch.arange(width * bs).expand(L, H, -1)   # ties by position: by slot, as the greedy oracle breaks them
-    evicted = choose_pages(page_costs(priority, positions, lens, bs, floor), num_pages)
-    (src, dst, valid), new_lens = kept_slots(priority, positions, lens, evicted, bs)
+    order, ordered = eviction_order(priority, positions, lens, bs)
+    evicted = choose_pages(page_costs(ordered, lens, bs, floor), num_pages)
+    (src, dst, valid), new_lens = kept_slots(order, lens, evicted, bs)
     expected_evicted, expected_kept = greedy_page_eviction(priority, lens, num_pages, bs, floor)
     assert torch.equal(evicted, expected_evicted)
     for (l, h), slots in expected_kept.items():
