@@ -354,12 +354,12 @@ class LLM:
                 error: str | None = None) -> RequestOutput:
         """The request's output: its text up to upto, what the step added, and what it asked for."""
         seq = request.seq
+        # positional: a step builds one for every request it streams, and keywords cost a third more
         return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids, request.text[:upto],
                              list(seq.output_token_ids), new_text, new_token_ids, seq.status is Status.FINISHED,
-                             seq.finish_reason,
-                             prompt_logprobs=seq.prompt_logprobs,
-                             logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                             kept_positions=seq.kept_positions, error=error, num_cached_tokens=seq.num_cached_tokens)
+                             seq.finish_reason, seq.prompt_logprobs,
+                             None if seq.logprobs is None else list(seq.logprobs), seq.kept_positions, error,
+                             seq.num_cached_tokens)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
