@@ -58,10 +58,9 @@ def choose_pages(costs: torch.Tensor, num_pages: torch.Tensor | int) -> torch.Te
 def kept_slots(order: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor,
                block_size: int) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """When head (l, h) gives up its evicted[..., l, h] cheapest pages (order: its slots in
-    eviction order): the moves that fill the
-    holes its evicted pairs leave below its new length with its survivors above it ((src, dst,
-    valid), each [..., L, H, n]: nanokv/eviction/holes.py, here with a count per head; where not
-    valid, a slot onto itself) and the new lens [..., L, H]."""
+    eviction order): the moves that fill the holes its evicted pairs leave below its new length
+    with its survivors above it ((src, dst, valid), each [..., L, H, n]: nanokv/eviction/holes.py,
+    here with a count per head; where not valid, a slot onto itself) and the new lens [..., L, H]."""
     n = order.shape[-1]
     slot = torch.arange(n, device=order.device)
     rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
