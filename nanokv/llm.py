@@ -30,7 +30,7 @@ from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.sampler import FAILED, SampledTokens
 from nanokv.engine.scheduler import ScheduledBatch, Scheduler
-from nanokv.engine.sequence import Sequence, Status
+from nanokv.engine.sequence import Sequence
 from nanokv.engine.timing import StepClock, Timings
 from nanokv.engine.workers import cpu_threads, start_workers
 from nanokv.eviction import EvictionSettings, KVMethod, method_for
@@ -286,7 +286,7 @@ class LLM:
         for seq, token in zip(sampled.seqs, tokens):
             error = next(errors) if sampled.errors and token == FAILED else None
             request = requests.get(seq.seq_id)
-            if request is None or seq.status is Status.FINISHED:   # aborted, or ended by a stop string since
+            if request is None or seq.is_finished:   # aborted, or ended by a stop string since
                 continue
             if error is not None:
                 outputs.append(self._fail(request, error))
@@ -324,29 +324,28 @@ class LLM:
         output, if it finished or every_token asks for one. With neither stop strings nor a
         caller waiting for every token (generate), its text is decoded once, when it finishes."""
         seq = request.seq
-        if not (every_token or reason or seq.params.stop):
-            return None   # nothing to say yet, and no text to follow
-        if request.detokenizer is not None:
-            fed = len(request.detokenizer.ids) - seq.num_prompt_tokens
-            request.text += request.detokenizer.add(seq.output_token_ids[fed:])
-            if reason is not None:   # no more tokens will complete a held-back partial character
-                request.text += request.detokenizer.flush()
         stops = seq.params.stop
+        if not (every_token or reason or stops):
+            return None   # nothing to say yet, and no text to follow
+        text, detokenizer = request.text, request.detokenizer
+        if detokenizer is not None:
+            text += detokenizer.add(seq.output_token_ids[len(detokenizer.ids) - seq.num_prompt_tokens:])
+            if reason is not None:   # no more tokens will complete a held-back partial character
+                text += detokenizer.flush()
         if stops:
-            hit = [i for i in (request.text.find(s) for s in stops) if i >= 0]
+            hit = [i for i in (text.find(s) for s in stops) if i >= 0]
             if hit:
-                request.text, reason = request.text[:min(hit)], "stop"
-        finished = reason is not None
-        if finished:
+                text, reason = text[:min(hit)], "stop"
+        request.text = text
+        if reason is not None:
             self._finish(seq, reason)
-        # While running, hold back a tail that might still grow into a stop string.
-        held = 0 if finished or not stops else max(map(len, stops)) - 1
-        upto = max(request.streamed, len(request.text) - held)
-        new_text, request.streamed = request.text[request.streamed:upto], upto
-        if finished:
             del self.requests[seq.seq_id]
+            upto = len(text)
         elif not every_token:
             return None
+        else:   # hold back a tail that might still grow into a stop string
+            upto = max(request.streamed, len(text) - max(map(len, stops)) + 1) if stops else len(text)
+        new_text, request.streamed = text[request.streamed:upto], upto
         return self._output(request, upto, new_text, [token])
 
     @staticmethod
@@ -355,11 +354,10 @@ class LLM:
         """The request's output: its text up to upto, what the step added, and what it asked for."""
         seq = request.seq
         # positional: a step builds one for every request it streams, and keywords cost a third more
-        return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids, request.text[:upto],
-                             list(seq.output_token_ids), new_text, new_token_ids, seq.status is Status.FINISHED,
-                             seq.finish_reason, seq.prompt_logprobs,
-                             None if seq.logprobs is None else list(seq.logprobs), seq.kept_positions, error,
-                             seq.num_cached_tokens)
+        return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids, request.text[:upto], new_text,
+                             new_token_ids, seq.is_finished, seq.finish_reason, len(seq.output_token_ids),
+                             seq.prompt_logprobs, seq.kept_positions, error, seq.num_cached_tokens,
+                             seq.output_token_ids, seq.logprobs)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -2,7 +2,7 @@
 holds (EngineStats, LLM.stats())."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -10,24 +10,37 @@ from nanokv.engine.sequence import TokenLogprob
 from nanokv.engine.timing import Timings
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
-    """A request's output so far; `new_*` is what the last step added."""
+    """A request's output as of one step; `new_*` is what that step added. `token_ids` and
+    `logprobs` are copied from the request's lists when read: a step hands out an output for
+    every request it streams, and most callers read only what is new."""
     request_id: int
     prompt: str | None
     prompt_token_ids: list[int]
     text: str
-    token_ids: list[int]
     new_text: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None   # "stop" (EOS, stop token or string), "length", "abort" or "error"
+    num_tokens: int             # output tokens so far: len(token_ids)
     prompt_logprobs: list[TokenLogprob | None] | None = None    # with SamplingParams(prompt_logprobs=True)
-    logprobs: list[TokenLogprob] | None = None   # token_ids', with SamplingParams(logprobs=k)
     kept_positions: torch.Tensor | None = None   # [layers, kv_heads, n], with return_kept_positions, at the end
     #                                               (an uneven method's shorter heads padded with -1)
     error: str | None = None    # with finish_reason "error": what went wrong with this request
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
+    # The request's own lists, which only grow: this output's are their first num_tokens entries.
+    request_token_ids: list[int] = field(default_factory=list, repr=False)
+    request_logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request_token_ids[:self.num_tokens]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """token_ids', with SamplingParams(logprobs=k)."""
+        return None if self.request_logprobs is None else self.request_logprobs[:self.num_tokens]
 
 
 @dataclass

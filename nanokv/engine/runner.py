@@ -213,6 +213,8 @@ class ModelRunner:
         layer's tables; of those blocks, the first ones whose positions' layer inputs were kept,
         as many as KVPR's split says, are recomputed, the others copied. Prompt rows keep their
         layer inputs up to input_positions, when every position before them has."""
+        if not (self.config.decode_from_host or self.input_positions):
+            return None
         bs, staged = self.block_size, 0
         copied, copied_pages, recomputed_pages = [], [], []
         inputs, keep_rows, keep_at = ([], []), [], ([], [])   # (store row, position) each

@@ -101,10 +101,11 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        running = Status.RUNNING   # an enum's member is slow to look up
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status == Status.RUNNING:   # not preempted earlier in this loop
+            if seq.status is running:   # not preempted earlier in this loop
                 budget -= self._plan(seq, budget, batch)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -195,13 +196,16 @@ class Scheduler:
         blocks it keeps after an eviction and the slots it needs blocks for. A plain tuple: this
         runs for every sequence at every step, where building a NamedTuple costs about as much
         as the count itself."""
-        evict = seq.method.schedule.evict_count(seq)
+        schedule = seq.method.schedule
+        evict = schedule.evict_count(seq)
         slots = seq.num_kv_slots - evict
-        n = min(budget, seq.method.schedule.max_chunk(seq, slots))
-        # What it keeps after an eviction: the chunk's slots, and at least its steady size.
-        kept = self.blocks.blocks_for(max(slots + n, seq.method.schedule.steady_slots(seq)))
+        n = min(budget, schedule.max_chunk(seq, slots))
         room = slots + n
-        if evict and seq.method.uneven and self.config.tensor_parallel_size > 1:
+        if not evict:
+            return 0, slots, n, 0, room   # kept: what an eviction leaves, and none comes
+        # What it keeps after an eviction: the chunk's slots, and at least its steady size.
+        kept = self.blocks.blocks_for(max(room, schedule.steady_slots(seq)))
+        if seq.method.uneven and self.config.tensor_parallel_size > 1:
             # Split over ranks, one rank's heads may keep every page they hold and still need their
             # room for new pairs (evict.py, _choose_pages): the blocks it holds and that room.
             held = len(seq.block_table) if held is None else held
@@ -235,7 +239,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, num_slots: int, batch: ScheduledBatch) -> bool:
         """Give seq blocks for num_slots slots, preempting newer sequences if the pool is
         empty. False if seq itself had to be preempted."""
-        missing = self.blocks.blocks_for(num_slots) - len(seq.block_table)
+        missing = self.blocks.blocks_for(num_slots) - len(seq.block_table.ids)
         if missing <= 0:
             return True
         while not self.blocks.can_allocate(missing):
@@ -312,14 +316,14 @@ class Scheduler:
         """The pending tokens of a step, read: each becomes its sequence's next output token,
         unless the sequence finished since (a stop seen a step later, an abort), then it is
         dropped. Returns the sequences now done, with why; the caller finishes them."""
-        done, cache = [], self.blocks.cache
+        done, cache, running = [], self.blocks.cache, Status.RUNNING   # an enum's member is slow to look up
         for seq, token in zip(sampled, tokens):
             seq.num_pending -= 1
-            if seq.status is Status.FINISHED or token == FAILED:   # a row that failed: the caller ends it
+            if seq.is_finished or token == FAILED:   # a row that failed: the caller ends it
                 continue
             outputs = seq.output_token_ids
             outputs.append(token)
-            if cache is not None and seq.status is Status.RUNNING:
+            if cache is not None and seq.status is running:
                 self._enter_full_blocks(seq, seq.num_computed_tokens)
             p = seq.params
             if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:

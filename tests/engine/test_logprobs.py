@@ -65,13 +65,13 @@ def test_logprobs_zero_gives_the_token_alone_and_none_gives_nothing(llm):
 
 def test_streamed_outputs_carry_the_logprobs_so_far(llm):
     request = llm.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=0, logprobs=2))
-    seen = []
+    outs = []
     while llm.has_unfinished():
-        for out in llm.step():
-            assert out.request_id == request
-            assert [e.token for e in out.logprobs] == out.token_ids
-            seen.append(len(out.logprobs))
-    assert seen == [1, 2, 3, 4]
+        outs += llm.step()
+    # read once the request has ended: each output still holds what it had when it was handed out
+    assert [out.request_id for out in outs] == [request] * 4
+    assert [len(out.logprobs) for out in outs] == [len(out.token_ids) for out in outs] == [1, 2, 3, 4]
+    assert all([e.token for e in out.logprobs] == out.token_ids for out in outs)
 
 
 @pytest.mark.parametrize("bad, error", [(-1, ValueError), (21, ValueError), (1.5, TypeError), (True, TypeError)])

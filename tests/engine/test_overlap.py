@@ -74,12 +74,13 @@ def test_streamed_outputs_match_and_none_follows_a_finished_one(tiny_dir, method
     llm = engine(tiny_dir, True, num_kv_blocks=160)
     expected = llm.generate(prompts, params)
     ids = [llm.add_request(p, sp) for p, sp in zip(prompts, params)]
-    tokens, finished, aborted = {i: [] for i in ids}, set(), ids[2]
+    tokens, finished, aborted, handed_out = {i: [] for i in ids}, set(), ids[2], []
     while llm.has_unfinished():
         for out in llm.step():
             assert out.request_id not in finished
             tokens[out.request_id] += out.new_token_ids
             assert tokens[out.request_id] == out.token_ids
+            handed_out.append((out, out.token_ids, out.text))
             if out.finished:
                 finished.add(out.request_id)
             if out.request_id == aborted and len(out.token_ids) == 5:
@@ -87,6 +88,7 @@ def test_streamed_outputs_match_and_none_follows_a_finished_one(tiny_dir, method
                 finished.add(aborted)
     for i, out in zip(ids, expected):
         assert tokens[i] == (out.token_ids[:5] if i == aborted else out.token_ids)
+    assert all([out.token_ids, out.text] == then for out, *then in handed_out)   # as they were
     assert llm.blocks.num_free == llm.blocks.num_blocks
 
 
