@@ -104,7 +104,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids)
         self.read_offset = len(self.ids)
         self.prefix_offset = max(self.read_offset - DETOKENIZER_CONTEXT_TOKENS, 0)
-        self.text = ""
+        self.num_chars = 0   # of the text handed out (kept by the caller: adding to a string here copies it)
 
     def add(self, new_ids: list[int]) -> str:
         """Append generated ids; returns the newly completed text (may be "")."""
@@ -123,7 +123,7 @@ class IncrementalDetokenizer:
             return ""
         piece = new_text[len(prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += piece
+        self.num_chars += len(piece)
         return piece
 
 

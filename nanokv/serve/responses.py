@@ -121,7 +121,7 @@ class Responder:
             return [0] * len(tokens)
         if sent.text_offsets is None:
             sent.text_offsets = IncrementalDetokenizer(self.tokenizer, context)
-        start = len(sent.text_offsets.text)
+        start = sent.text_offsets.num_chars
         pieces = [len(sent.text_offsets.add([token])) for token in tokens]
         return list(accumulate(pieces, initial=start))[:-1]
 
