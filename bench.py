@@ -51,6 +51,9 @@ PRESETS = {
     # the paper's setting, static batches only: the gpu report's part (about 1.5 minutes on an H200)
     "gpu-paper": dict(mode="paper", random_weights="llama-3.1-8b", input_len=3584, output_len=512,
                       kv_cache_gb=4.0, budgets=[1024], ed_budgets=[2], max_batch=128, num_requests=0),
+    # the paper's Table 2 (Phi-3.5-mini): a pool where full fits 2 requests of 4096 tokens, not 3, as there
+    "gpu-paper-phi": dict(mode="paper", random_weights="phi-3.5-mini", input_len=3584, output_len=512,
+                          kv_cache_gb=3.5, budgets=[1664, 1984, 2176], ed_budgets=[2], max_batch=32, num_requests=0),
 }
 MODE_DEFAULTS = {
     "hf": dict(input_len=200, output_len=128),

@@ -31,7 +31,7 @@ from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_trito
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.linear_cpu import PackedLinear, can_prepack, prepack_linears
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
+from kernels.rope import apply_rope_ref, apply_rope_triton, long_rope_rows, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
 
 BACKENDS = ("torch", "triton", "cpu")
@@ -317,5 +317,5 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
 __all__ = ["BACKENDS", "QUANT_MAX", "DecodeWorkspace", "PackedLinear", "StepPlan", "add_rms_norm", "apply_rope",
            "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits",
            "decode_partials", "decode_programs", "decode_workspace_for", "dequantize", "forced_backend", "logits_scratch",
-           "move_slots", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits", "prefill_programs", "prefill_split_bytes", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
+           "long_rope_rows", "move_slots", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits", "prefill_programs", "prefill_split_bytes", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
            "set_backend", "silu_and_mul", "split_count", "store_kv"]

@@ -162,7 +162,7 @@ QUANTIZED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}   # cache formats (
 # name: (query heads, KV heads, head_dim, hidden, intermediate)
 SHAPES = {"llama-3.1-8b": (32, 8, 128, 4096, 14336), "smollm2-135m": (9, 3, 64, 576, 1536),
           "qwen3-0.6b": (16, 8, 128, 1024, 3072), "mha-128": (8, 8, 128, 1024, 2048),
-          "gqa8-128": (64, 8, 128, 8192, 28672),
+          "gqa8-128": (64, 8, 128, 8192, 28672), "phi-3.5-mini": (32, 32, 96, 3072, 8192),
           "llama-3.1-8b/16": (2, 1, 128, 4096, 896)}   # one rank's part split 16 ways: 1 KV head, replicated
 
 
@@ -254,7 +254,7 @@ def _elementwise_case(shape: str, dtype: str) -> Callable[[], None]:
 
 def default_cases() -> dict[str, Callable[[], None]]:
     """A representative subset (the full product of dtypes, head_dims, block sizes and
-    groups compiles too, in ~30 minutes): each dtype, head_dim 64 and 128, block 16
+    groups compiles too, in ~30 minutes): each dtype, head_dim 64, 96 and 128, block 16
     and 256, GQA groups 1, 2, 3, 4 and 8, decode with and without scores, prefill with
     long and short query tiles, key scores, plain and squared, every elementwise kernel, and
     one rank's part of a split model (group 2: tensor parallelism's local shapes)."""
@@ -262,7 +262,7 @@ def default_cases() -> dict[str, Callable[[], None]]:
     for shape, dtype, block_size in (("llama-3.1-8b", "bf16", 16), ("smollm2-135m", "bf16", 16),
                                      ("gqa8-128", "fp16", 256), ("mha-128", "bf16", 16),
                                      ("smollm2-135m", "fp32", 16), ("llama-3.1-8b", "fp32", 16),
-                                     ("llama-3.1-8b/16", "bf16", 16)):
+                                     ("llama-3.1-8b/16", "bf16", 16), ("phi-3.5-mini", "bf16", 16)):
         tag = f"{shape} {dtype} block {block_size}"
         for scores in (False, True):
             cases[f"decode{' + scores' if scores else ''}, {tag}"] = _attention_case(
@@ -284,7 +284,7 @@ def default_cases() -> dict[str, Callable[[], None]]:
             cases[f"key scores 512 {name}"] = _attention_case("key_scores", shape, dtype, 16, query_len=512,
                                                               square=True, skip=skip)
     for shape, dtype in (("llama-3.1-8b", "bf16"), ("smollm2-135m", "bf16"), ("qwen3-0.6b", "fp16"),
-                         ("smollm2-135m", "fp32"), ("llama-3.1-8b/16", "bf16")):
+                         ("smollm2-135m", "fp32"), ("llama-3.1-8b/16", "bf16"), ("phi-3.5-mini", "bf16")):
         cases[f"elementwise, {shape} {dtype}"] = _elementwise_case(shape, dtype)
     # Quantized caches: each format with every attention kernel and the store.
     for shape, dtype, cache in (("llama-3.1-8b", "bf16", "int8"), ("smollm2-135m", "fp16", "fp8")):

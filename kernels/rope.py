@@ -1,11 +1,12 @@
 """Rotary position embeddings: a cos/sin table indexed by absolute position.
 
-Any RoPE scaling (linear, Llama-3) is folded into the table, so applying it
+Any RoPE scaling (linear, Llama-3, LongRoPE) is folded into the table, so applying it
 is the same for every model. Layout follows HF ("rotate half"): dimension i
 pairs with dimension i + D/2.
 """
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -31,10 +32,43 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 def rope_cos_sin_cache(head_dim: int, max_len: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """[max_len, D] float32 on the CPU: cos of the D/2 angles, then their sin."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64, device="cpu"), inv_freq)
-    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+    """[rows, D] float32 on the CPU: cos of the D/2 angles, then their sin; row p for position p.
+    LongRoPE adds rows for the long factors' angles of positions before the original length
+    (long_rope_rows)."""
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return _long_rope_table(head_dim, max_len, theta, scaling)
+    return _table(torch.arange(max_len, dtype=torch.float64, device="cpu"), rope_inv_freq(head_dim, theta, scaling))
+
+
+def _table(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    angles = torch.outer(positions, inv_freq)
+    return (torch.cat([angles.cos(), angles.sin()], dim=-1) * scale).float()
+
+
+def _long_rope_table(head_dim: int, max_len: int, theta: float, scaling: dict) -> torch.Tensor:
+    """LongRoPE (Phi-3): each frequency divided by its short or long factor, every cos and sin
+    scaled by the attention factor (by default HF's, from the length factor). Rows: positions
+    before the original length with the short factors, the later ones with the long, then the
+    earlier ones again with the long."""
+    original, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    scale = scaling.get("attention_factor") or (
+        math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0)
+    inv_freq = rope_inv_freq(head_dim, theta, None)
+    short, long = (inv_freq / torch.tensor(scaling[name], dtype=torch.float64, device="cpu")
+                   for name in ("short_factor", "long_factor"))
+    positions, split = torch.arange(max_len, dtype=torch.float64, device="cpu"), min(original, max_len)
+    return torch.cat([_table(positions[:split], short, scale), _table(positions[split:], long, scale),
+                      _table(positions[:split], long, scale)])
+
+
+def long_rope_rows(positions: np.ndarray, prompt_lens: np.ndarray, original: int, max_len: int) -> np.ndarray | None:
+    """LongRoPE: the row of rope_cos_sin_cache(..., max_len, ...) of each token at positions, of a
+    sequence with a prompt of prompt_lens tokens; None where every row is the token's position.
+    The factors are picked as HF picks them, by how far the forward pass that reads a token
+    reaches: the long ones for every token of a prompt longer than the original length, and
+    for any token from that length on (so one request's tokens equal HF's generate)."""
+    early_long = (prompt_lens > original) & (positions < original)
+    return np.where(early_long, positions + max_len, positions) if early_long.any() else None
 
 
 def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):

@@ -32,3 +32,4 @@ class AttentionMetadata:
     score_skip: torch.Tensor | None = None  # [B] int32: queries add nothing to keys fewer positions before (KVC-full)
     decode_workspace: DecodeWorkspace | None = None  # flash-decoding's scratch, allocated once (None: per call)
     host_stream: HostStream | None = None  # K/V from the host tier and layer inputs kept there (None: no traffic)
+    rope_rows: torch.Tensor | None = None  # [T] each token's RoPE table row (None: its position; long_rope_rows)

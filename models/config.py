@@ -12,8 +12,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": dict(qkv_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": dict(qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": dict(qkv_bias=False, qk_norm=True),
+    "Phi3ForCausalLM": dict(qkv_bias=False, qk_norm=False),   # q/k/v and gate/up fused in the checkpoint
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass
@@ -47,12 +48,24 @@ class ModelConfig:
         # transformers >= 5 writes rope_theta and the scaling into "rope_parameters".
         scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
         rope_theta = hf.get("rope_theta") or (scaling or {}).get("rope_theta", 10000.0)
+        partial = (scaling or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported: nanokv rotates every dimension "
+                             f"of a head (1.0)")
         if scaling is not None:
             rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+            rope_type = "longrope" if rope_type == "su" else rope_type   # Phi-3's first configs call it "su"
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"unsupported rope_scaling type {rope_type!r}; "
                                  f"nanokv supports {', '.join(SUPPORTED_ROPE_TYPES)}")
             scaling = dict(scaling, rope_type=rope_type)
+            if rope_type == "longrope":   # Phi-3 keeps the original length beside the scaling, and no factor
+                original = scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+                if not original:
+                    raise ValueError("a longrope rope_scaling needs original_max_position_embeddings (the length "
+                                     "the model was trained at), in it or beside it in config.json")
+                scaling.update(original_max_position_embeddings=original, factor=scaling.get("factor")
+                               or hf.get("max_position_embeddings", original) / original)
             if rope_type == "default":
                 scaling = None
         num_heads = hf["num_attention_heads"]

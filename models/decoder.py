@@ -1,4 +1,4 @@
-"""One decoder-only transformer for Llama, Mistral, Qwen2 and Qwen3.
+"""One decoder-only transformer for Llama, Mistral, Qwen2, Qwen3 and Phi-3.
 
 Plain PyTorch modules; the families differ only by config flags (qkv bias,
 q/k RMSNorm, RoPE scaling, tied embeddings). The hot ops come from
@@ -45,8 +45,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
-        """q [T, Hq, D], k and v [T, Hkv, D] of layer inputs x [T, hidden] at positions [T]."""
+    def project(self, x: torch.Tensor, rope_rows: torch.Tensor, cos_sin: torch.Tensor):
+        """q [T, Hq, D], k and v [T, Hkv, D] of layer inputs x [T, hidden], rotated by their rows
+        rope_rows [T] of the cos/sin table (their positions but for LongRoPE's long prompts)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -54,13 +55,13 @@ class Attention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        kernels.apply_rope(q, k, positions, cos_sin)  # before caching: a kept key keeps its position
+        kernels.apply_rope(q, k, rope_rows, cos_sin)  # before caching: a kept key keeps its position
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata, cpu_plan: kernels.StepPlan | None) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.project(x, positions, cos_sin)
+        q, k, v = self.project(x, positions if meta.rope_rows is None else meta.rope_rows, cos_sin)
         i = self.layer_idx   # the pool serves every layer: this layer's pages come from its tables
         if meta.host_stream is not None:   # K/V of pages staged from the host tier (models/host_stream.py)
             meta.host_stream.before_attention(i, x, self, cos_sin)

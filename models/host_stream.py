@@ -39,6 +39,7 @@ class HostStream:
     pages: torch.Tensor           # [2, n, Hkv] the staging pages they go to, per half (on the device)
     inputs: tuple[torch.Tensor, torch.Tensor]   # ([P] store row, [P] position): the kept inputs recomputed
     positions: torch.Tensor       # [P] their positions (on the device)
+    rope_rows: torch.Tensor       # [P] their rows of the RoPE table (kernels.long_rope_rows; else positions)
     slots: torch.Tensor           # [2, P, Hkv] int64: the staging slots their K/V go to, per half (on the device)
     keep_rows: torch.Tensor       # [K] step rows whose layer inputs are kept (on the device)
     keep_at: tuple[torch.Tensor, torch.Tensor]  # ([K] store row, [K] position) where they go
@@ -66,7 +67,7 @@ class HostStream:
                 inputs.record_stream(torch.cuda.current_stream())
         if inputs is not None:
             cache = self.host.cache
-            _, k, v = attention.project(inputs, self.positions, cos_sin)
+            _, k, v = attention.project(inputs, self.rope_rows, cos_sin)
             kernels.store_kv(k, v, cache.k, cache.v, cache.positions, cache.scores, self.slots[layer % 2],
                              self.positions, kv_scales=cache.kv_scales)
 

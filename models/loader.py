@@ -72,6 +72,20 @@ def _destination(name: str, cfg: ModelConfig) -> tuple[str, int] | None:
     return name, 0
 
 
+def _parts(name: str, cfg: ModelConfig) -> list[tuple[str, range | None]]:
+    """A checkpoint tensor as the tensors _destination knows, each with its rows in it (None:
+    all): Phi-3's fused qkv_proj and gate_up_proj are cut into q/k/v and gate/up, so that a rank
+    of a split model takes its heads' rows of each (cfg: the whole model's shape)."""
+    q, kv, mlp = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    if ".qkv_proj." in name:
+        return [(name.replace("qkv_proj", "q_proj"), range(q)), (name.replace("qkv_proj", "k_proj"), range(q, q + kv)),
+                (name.replace("qkv_proj", "v_proj"), range(q + kv, q + 2 * kv))]
+    if ".gate_up_proj." in name:
+        return [(name.replace("gate_up_proj", "gate_proj"), range(mlp)),
+                (name.replace("gate_up_proj", "up_proj"), range(mlp, 2 * mlp))]
+    return [(name, None)]
+
+
 def load_weights(model: Decoder, path: Path, whole: ModelConfig) -> None:
     """Copy every checkpoint tensor (or, for a rank of a split model, its part of it: whole is
     the model's shape, models/tensor_parallel.py) into its place; fail clearly on a bad file
@@ -81,14 +95,18 @@ def load_weights(model: Decoder, path: Path, whole: ModelConfig) -> None:
     for file in _safetensors_files(path):
         try:
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    dest = _destination(name, model.config)
+                for name, part, rows in ((name, *part) for name in f.keys() for part in _parts(name, whole)):
+                    dest = _destination(part, model.config)
                     if dest is None:
                         continue
                     target, offset = dest
                     if target not in params:
                         raise ValueError(f"{file.name}: unexpected tensor {name!r} for this architecture")
-                    tensor = f.get_slice(name)[shard_index(name, whole, model.shard)]
+                    index = shard_index(part, whole, model.shard)
+                    if rows is not None:   # this rank's rows of the part, in the fused tensor
+                        rows = rows[index[0]]
+                        index = (slice(rows.start, rows.stop),)
+                    tensor = f.get_slice(name)[index]
                     param = params[target]
                     piece = param.data[offset:offset + tensor.shape[0]]
                     if piece.shape != tensor.shape:

@@ -26,6 +26,14 @@ SHAPES = {
         architectures=["LlamaForCausalLM"], vocab_size=32000, hidden_size=4096, intermediate_size=11008,
         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5,
         rope_theta=10000.0, max_position_embeddings=4096, tie_word_embeddings=False),
+    # The Batch-Max paper's second model: multi-head, head_dim 96, LongRoPE (its factors here are
+    # placeholders: they change the rotation's angles, not what a step costs)
+    "phi-3.5-mini": dict(
+        architectures=["Phi3ForCausalLM"], vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=131072, original_max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 48, long_factor=[1.0 + i / 8 for i in range(48)])),
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5,

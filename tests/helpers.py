@@ -40,6 +40,11 @@ FAMILIES = {
     "mistral": dict(model_type="mistral", num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),
     "qwen3": dict(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    # multi-head; LongRoPE: its short factors up to 32 positions, its long ones beyond (and for longer prompts)
+    "phi3": dict(model_type="phi3", num_attention_heads=4, num_key_value_heads=4, pad_token_id=0,
+                 original_max_position_embeddings=32,
+                 rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
+                               "long_factor": [1.5 + i for i in range(8)]}),
 }
 
 

@@ -7,6 +7,8 @@ import torch
 
 import kernels
 from helpers import VOCAB
+from models.config import ModelConfig
+from models.shapes import SHAPES
 from nanokv import LLM, SamplingParams
 from nanokv.config import EngineConfig
 from nanokv.tokenizer import IncrementalDetokenizer
@@ -111,8 +113,27 @@ def test_unsupported_architecture(tmp_path, tiny_dir):
     config["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supports LlamaForCausalLM, MistralForCausalLM, "
-                                         "Qwen2ForCausalLM, Qwen3ForCausalLM"):
+                                         "Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM"):
         LLM(str(tmp_path))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(partial_rotary_factor=0.75), "partial_rotary_factor 0.75 is not supported: nanokv rotates every dimension"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0}), "unsupported rope_scaling type 'yarn'; nanokv supports "
+                                                         "default, linear, llama3, longrope")])
+def test_unsupported_rope(change, message):
+    config = dict(SHAPES["phi-3.5-mini"], **change)
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(config)
+
+
+def test_phi3_s_first_name_for_long_rope_and_its_factor():
+    """Phi-3's first configs say "su"; the length factor, when not given, is the ratio of the lengths."""
+    config = dict(SHAPES["phi-3.5-mini"])
+    config["rope_scaling"] = {k: v for k, v in config["rope_scaling"].items() if k != "rope_type"} | {"type": "su"}
+    scaling = ModelConfig.from_hf(config).rope_scaling
+    assert scaling["rope_type"] == "longrope" and scaling["factor"] == 131072 / 4096
+    assert scaling["original_max_position_embeddings"] == 4096
 
 
 def test_missing_tokenizer(tmp_path, tiny_dir):

@@ -203,8 +203,20 @@ class ModelRunner:
             score_from=self._array([m.score_from(seq) for m, seq in zip(methods, seqs)], np.int32) if scores else None,
             square_scores=self._array([m.squares_scores for m in methods], np.bool_) if squares else None,
             score_skip=self._array([m.score_skip for m in methods], np.int32) if skips else None,
-            decode_workspace=self.decode_workspace, host_stream=host_stream)
+            decode_workspace=self.decode_workspace, host_stream=host_stream,
+            rope_rows=self._rope_rows(positions, seqs, row_seq))
         return step
+
+    def _rope_rows(self, positions: np.ndarray, seqs: list[Sequence], owners: np.ndarray) -> torch.Tensor | None:
+        """Each token's row of the RoPE table (owners: the index of its sequence in seqs) where
+        some row is not the token's position (LongRoPE's long prompts), else None."""
+        scaling = self.model.config.rope_scaling
+        if scaling is None or scaling["rope_type"] != "longrope":
+            return None
+        prompt_lens = np.array([seq.num_prompt_tokens for seq in seqs], dtype=np.int64)[owners]
+        rows = kernels.long_rope_rows(positions, prompt_lens, scaling["original_max_position_embeddings"],
+                                      self.config.max_model_len)
+        return None if rows is None else self._to_device(rows)
 
     def _host_stream(self, seqs: list[Sequence], starts: list[int], num_new: list[int], cu_seqlens: list[int],
                      tables: torch.Tensor) -> HostStream | None:
@@ -217,7 +229,7 @@ class ModelRunner:
             return None
         bs, staged = self.block_size, 0
         copied, copied_pages, recomputed_pages = [], [], []
-        inputs, keep_rows, keep_at = ([], []), [], ([], [])   # (store row, position) each
+        inputs, keep_rows, keep_at, owners = ([], []), [], ([], []), []   # (store row, position) each
         for b, seq in enumerate(seqs):
             row = seq.block_table.row
             if seq.offloaded:
@@ -231,6 +243,7 @@ class ModelRunner:
                 recomputed_pages.append(pages[:, :recomputed])
                 inputs[0].extend([row] * recomputed * bs)
                 inputs[1].extend(range(recomputed * bs))
+                owners.extend([b] * recomputed * bs)
             elif self.input_positions and seq.method.shares_blocks \
                     and seq.num_kept_inputs == starts[b] < min(self.input_positions, seq.num_prompt_tokens):
                 end = min(starts[b] + num_new[b], self.input_positions, seq.num_prompt_tokens)
@@ -246,10 +259,12 @@ class ModelRunner:
         pages = torch.cat(recomputed_pages, dim=1) if recomputed_pages else none
         slots = (pages.long() * bs)[:, :, None] + torch.arange(bs, device=self.device)[:, None]   # [2, n, bs, Hkv]
         as_tensors = [torch.tensor(index, dtype=torch.long) for index in inputs + keep_at]
+        positions = self._array(inputs[1], np.int64)
+        rope_rows = self._rope_rows(np.array(inputs[1], dtype=np.int64), seqs, np.array(owners, dtype=np.intp))
         return HostStream(self.host_cache, torch.tensor(copied, dtype=torch.long),
                           torch.cat(copied_pages, dim=1) if copied_pages else none, tuple(as_tensors[:2]),
-                          self._array(inputs[1], np.int64), slots.flatten(1, 2), self._array(keep_rows, np.int64),
-                          tuple(as_tensors[2:]), copies=self.copy_stream)
+                          positions, positions if rope_rows is None else rope_rows, slots.flatten(1, 2),
+                          self._array(keep_rows, np.int64), tuple(as_tensors[2:]), copies=self.copy_stream)
 
     def _feed_pending(self, input_ids: torch.Tensor | None, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
         """input_ids (None: the step is those rows) with the pending tokens of seqs, sampled by
@@ -333,7 +348,7 @@ class ModelRunner:
             clock.lap("prepare")
             meta = step.meta
             if self.graphs is not None and meta.max_query_len == 1 and meta.host_stream is None \
-                    and self.graphs.fits(meta):
+                    and meta.rope_rows is None and self.graphs.fits(meta):
                 hidden = self.graphs.run(step.input_ids, step.positions, meta)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)

@@ -106,11 +106,12 @@ def test_uneven_eviction_swapping_under_tensor_parallelism_preempts_as_one_rank_
 
 
 @pytest.mark.parametrize("family, kv_cache_dtype", [("llama3", "auto"), ("mistral", "int8"), ("qwen2", "auto"),
-                                                    ("qwen3", "fp8")])
+                                                    ("qwen3", "fp8"), ("phi3", "auto")])
 def test_every_family_splits(tiny_models, split, family, kv_cache_dtype):
     """llama3's one KV head is replicated on both ranks, each summing its scores over its own query
     heads: every method ranks the sum over the replicas; qwen2 splits its q/k/v biases, qwen3
-    keeps its q/k norms whole; a quantized cache's scales are per head, so each rank keeps its own."""
+    keeps its q/k norms whole; phi3's fused q/k/v and gate/up are cut into each rank's parts;
+    a quantized cache's scales are per head, so each rank keeps its own."""
     methods = ["full", *EVICTING, "kvcompress"] if family == "llama3" else ["full", "h2o"]
     options = dict(num_kv_blocks=14, kv_cache_dtype=kv_cache_dtype)
     one, two = engine(tiny_models(family), **options), split(tiny_models(family), 2, **options)

@@ -4,6 +4,7 @@ import torch
 
 from helpers import FAMILIES, VOCAB, make_tiny_model
 from nanokv import LLM, SamplingParams
+from nanokv.eviction import METHODS, RANKINGS
 from nanokv.engine.scheduler import ScheduledBatch
 from nanokv.engine.sequence import Sequence
 
@@ -23,13 +24,17 @@ def engine_logits(llm: LLM, seq: Sequence, n: int) -> torch.Tensor:
     return logits
 
 
-def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy decoding with its own KV cache, never stopping at EOS."""
+def hf_greedy(hf, prompt: list[int], n: int, logprobs: list[float] | None = None) -> list[int]:
+    """transformers' greedy decoding with its own KV cache, never stopping at EOS (as its
+    generate() runs: the prompt in one forward pass, then a token a pass); logprobs, if given,
+    gets each token's log-probability."""
     tokens = []
     with torch.no_grad():
         out = hf(torch.tensor([prompt]), use_cache=True)
         for _ in range(n):
             tokens.append(int(out.logits[0, -1].argmax()))
+            if logprobs is not None:
+                logprobs.append(out.logits[0, -1].float().log_softmax(-1)[tokens[-1]].item())
             out = hf(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
     return tokens
 
@@ -83,3 +88,46 @@ def test_greedy_matches_transformers_in_a_mixed_batch(bundled_dir):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, llm.tokenizer.encode(prompt), 32), prompt
+
+
+def test_phi3_long_rope_picks_its_factors_as_transformers_generate_does(tmp_path):
+    """Phi-3's fused q/k/v and gate/up, and LongRoPE (original length 32): a prompt within it runs
+    on the short factors and its tokens from position 32 on on the long ones; a longer prompt on
+    the long ones throughout, read in one pass or in chunks of 16, alone or in one batch."""
+    hf = make_tiny_model(tmp_path, "phi3")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (20, 32, 33, 70)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    expected = []
+    for prompt in prompts:
+        logprobs = []
+        expected.append((hf_greedy(hf, prompt, 24, logprobs), logprobs))
+    for chunk in (256, 16):
+        llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=chunk)
+        batched = llm.generate(prompts, params)
+        alone = [llm.generate([prompt], params)[0] for prompt in prompts]
+        for outs in (batched, alone):
+            for out, (tokens, logprobs) in zip(outs, expected):
+                assert out.token_ids == tokens
+                assert max(abs(e.logprob - lp) for e, lp in zip(out.logprobs, logprobs)) <= 1e-4
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "full"])
+def test_phi3_runs_every_eviction_method(tiny_models, method):
+    """Multi-head (a query head a KV head): every method runs, and under Batch-Max's schedule each
+    ranking keeps at most |kv| pairs per head (kvcompress: on average over its heads)."""
+    llm = LLM(str(tiny_models("phi3")), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    options = dict(kv_window=8) if method == "snapkv" else {}
+    if method in RANKINGS:
+        options["kv_schedule"] = "prefill"
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=method, kv_budget=32,
+                            evict_every=16, return_kept_positions=True, **options)
+    g = torch.Generator().manual_seed(2)
+    outs = llm.generate([torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (30, 60)], params)
+    for out in outs:
+        assert len(out.token_ids) == 20
+        kept = (out.kept_positions >= 0).sum(-1)   # [layers, kv heads]
+        assert kept.min() > 0
+        if method in RANKINGS:
+            assert (kept.float().mean() if method == "kvcompress" else kept.max()) <= 32
+    assert llm.blocks.num_free == llm.blocks.num_blocks
