@@ -20,7 +20,7 @@ from nanokv.engine import evict, memory
 from nanokv.engine.block_table import BlockTables
 from nanokv.engine.cuda_graphs import DecodeGraphs
 from nanokv.engine.offload_costs import PositionCost, best_split, measure_link_and_device
-from nanokv.engine.sampler import FAILED, SampledTokens, Sampler, token_logprobs
+from nanokv.engine.sampler import SampledTokens, Sampler, record_logprobs, token_logprobs
 from nanokv.engine.scheduler import ScheduledBatch
 from nanokv.engine.sequence import HeadPages, Sequence
 from nanokv.engine.timing import StepClock
@@ -200,9 +200,10 @@ class ModelRunner:
             cu_seqlens_q=self._to_device(np.array(cu_seqlens, dtype=np.int32)), context_lens=lens,
             page_tables=tables, max_query_len=max(num_new), max_context_len=max_context_len,
             num_decodes=num_new.count(1), accumulate_scores=scores,
-            score_from=self._array([m.score_from(seq) for m, seq in zip(methods, seqs)], np.int32) if scores else None,
-            square_scores=self._array([m.squares_scores for m in methods], np.bool_) if squares else None,
-            score_skip=self._array([m.score_skip for m in methods], np.int32) if skips else None,
+            score_from=self._to_device([m.score_from(seq) for m, seq in zip(methods, seqs)], np.int32)
+            if scores else None,
+            square_scores=self._to_device([m.squares_scores for m in methods], np.bool_) if squares else None,
+            score_skip=self._to_device([m.score_skip for m in methods], np.int32) if skips else None,
             decode_workspace=self.decode_workspace, host_stream=host_stream,
             rope_rows=self._rope_rows(positions, seqs, row_seq))
         return step
@@ -213,8 +214,8 @@ class ModelRunner:
         scaling = self.model.config.rope_scaling
         if scaling is None or scaling["rope_type"] != "longrope":
             return None
-        prompt_lens = np.array([seq.num_prompt_tokens for seq in seqs], dtype=np.int64)[owners]
-        rows = kernels.long_rope_rows(positions, prompt_lens, scaling["original_max_position_embeddings"],
+        lens = np.array([seq.num_prompt_tokens for seq in seqs], dtype=np.int64)[owners]
+        rows = kernels.long_rope_rows(positions, lens, scaling["original_max_position_embeddings"],
                                       self.config.max_model_len)
         return None if rows is None else self._to_device(rows)
 
@@ -259,12 +260,12 @@ class ModelRunner:
         pages = torch.cat(recomputed_pages, dim=1) if recomputed_pages else none
         slots = (pages.long() * bs)[:, :, None] + torch.arange(bs, device=self.device)[:, None]   # [2, n, bs, Hkv]
         as_tensors = [torch.tensor(index, dtype=torch.long) for index in inputs + keep_at]
-        positions = self._array(inputs[1], np.int64)
+        positions = self._to_device(inputs[1], np.int64)
         rope_rows = self._rope_rows(np.array(inputs[1], dtype=np.int64), seqs, np.array(owners, dtype=np.intp))
         return HostStream(self.host_cache, torch.tensor(copied, dtype=torch.long),
                           torch.cat(copied_pages, dim=1) if copied_pages else none, tuple(as_tensors[:2]),
                           positions, positions if rope_rows is None else rope_rows, slots.flatten(1, 2),
-                          self._array(keep_rows, np.int64), tuple(as_tensors[2:]), copies=self.copy_stream)
+                          self._to_device(keep_rows, np.int64), tuple(as_tensors[2:]), copies=self.copy_stream)
 
     def _feed_pending(self, input_ids: torch.Tensor | None, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
         """input_ids (None: the step is those rows) with the pending tokens of seqs, sampled by
@@ -274,17 +275,14 @@ class ModelRunner:
         if input_ids is None and len(seqs) == len(last.seqs) and all(a is b for a, b in zip(seqs, last.seqs)):
             return last.on_device
         row_of = {id(seq): row for row, seq in enumerate(last.seqs)}
-        tokens = last.on_device[self._array([row_of[id(seq)] for seq in seqs], np.int64)]
+        tokens = last.on_device[self._to_device([row_of[id(seq)] for seq in seqs], np.int64)]
         if input_ids is None:
             return tokens
-        input_ids[self._array(rows, np.int64)] = tokens
+        input_ids[self._to_device(rows, np.int64)] = tokens
         return input_ids
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return kernels.from_host(array, self.device)
-
-    def _array(self, values: list, dtype) -> torch.Tensor:
-        return kernels.from_host(np.array(values, dtype=dtype), self.device)
+    def _to_device(self, values: np.ndarray | list, dtype=None) -> torch.Tensor:
+        return kernels.from_host(np.asarray(values, dtype=dtype), self.device)
 
     def _step_pages(self, seqs: list[Sequence], num_new: np.ndarray,
                     cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -310,9 +308,9 @@ class ModelRunner:
         step_lens = self._to_device(lens.astype(np.int32))[None, :, None].expand(tables.shape[:3]).contiguous()
         if own:   # heads with pages of their own: all of them put in place at once
             taken = lens[own] - np.fromiter((head.slots for head in heads), dtype=np.int64, count=len(own))
-            own = self._array(own, np.int64)
+            own = self._to_device(own, np.int64)
             tables[:, own, :, :own_tables.shape[-1]] = own_tables.transpose(0, 1)
-            step_lens[:, own] = (own_lens + self._array(taken, np.int32)[:, None, None]).transpose(0, 1)
+            step_lens[:, own] = (own_lens + self._to_device(taken, np.int32)[:, None, None]).transpose(0, 1)
         return tables, step_lens, bound
 
     def _slot_mapping(self, tables: torch.Tensor, lens: torch.Tensor, row_seq: torch.Tensor,
@@ -354,7 +352,7 @@ class ModelRunner:
                 hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
             if self.model.shard.rank:   # a worker of a split model: rank 0 samples
                 return None
-            logits = self.model.compute_logits(hidden[self._array(step.sample_rows, np.int64)]) \
+            logits = self.model.compute_logits(hidden[self._to_device(step.sample_rows, np.int64)]) \
                 if step.sample_rows else None
             clock.lap("forward")
             self._record_prompt_logprobs(hidden, step)
@@ -362,7 +360,7 @@ class ModelRunner:
             if logits is not None:
                 tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
                 if any(seq.logprobs is not None for seq in seqs):
-                    self._record_logprobs(logits, tokens.tolist(), seqs)
+                    record_logprobs(logits, tokens.tolist(), seqs)
             self.last_sampled = SampledTokens(seqs, tokens, dict(self.sampler.errors) if tokens is not None else {})
             clock.lap("sample")
             return self.last_sampled
@@ -388,16 +386,6 @@ class ModelRunner:
         """[L, H, n]: the original positions of the pairs seq holds at the end (evict.py)."""
         with on_device(self.device):
             return self.evictor.kept_positions(seq)
-
-    @staticmethod
-    def _record_logprobs(logits: torch.Tensor, tokens: list[int], seqs: list[Sequence]) -> None:
-        """The sampled tokens' log-probabilities, for the sequences that asked (a row that
-        could not be sampled gets none: its request ends with an error)."""
-        rows = [i for i, seq in enumerate(seqs) if seq.logprobs is not None and tokens[i] != FAILED]
-        if rows:
-            found = token_logprobs(logits[rows], [tokens[i] for i in rows], [seqs[i].params.logprobs for i in rows])
-            for i, logprob in zip(rows, found):
-                seqs[i].logprobs.append(logprob)
 
     def _record_prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> None:
         """Score each prompt token by the logits of the row before it, a slice at a time

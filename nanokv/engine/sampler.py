@@ -1,6 +1,6 @@
 """The batched sampler: one token per row of logits, every row with its own parameters;
 the sampled tokens' way to the host; and the log-probabilities of given tokens under rows
-of logits."""
+of logits (a request's logprobs)."""
 from __future__ import annotations
 
 import torch
@@ -112,3 +112,13 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) 
     top_logprobs, top_tokens = (t.tolist() for t in logprobs.topk(max(max(num_top), 1), dim=-1))
     return [TokenLogprob(token, logprob, tops[0], top_lps[0], list(zip(tops[:k], top_lps[:k])))
             for token, logprob, tops, top_lps, k in zip(tokens, chosen, top_tokens, top_logprobs, num_top)]
+
+
+def record_logprobs(logits: torch.Tensor, tokens: list[int], seqs: list[Sequence]) -> None:
+    """The sampled tokens' log-probabilities, appended for the sequences that asked (a row that
+    could not be sampled gets none: its request ends with an error)."""
+    rows = [i for i, seq in enumerate(seqs) if seq.logprobs is not None and tokens[i] != FAILED]
+    if rows:
+        found = token_logprobs(logits[rows], [tokens[i] for i in rows], [seqs[i].params.logprobs for i in rows])
+        for i, logprob in zip(rows, found):
+            seqs[i].logprobs.append(logprob)

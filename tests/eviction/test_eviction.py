@@ -137,7 +137,7 @@ def test_evicting_engine_on_triton_kernels_matches_references(tiny_dir):
                ("h2o", "prefill", 32, {}), ("knorm", "decode", 32, {}), ("streamingllm", "once", 32, {}),
                ("tova", "prefill", 32, {}), ("snapkv", "decode", 32, dict(kv_window=8, kv_pool=3)))
     prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (28, 50, 60, 50, 40, 40, 55, 40)]   # each evicts
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, kv_method=m, kv_schedule=schedule,
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, kv_method=m, kv_schedule=schedule,
                              kv_budget=b, evict_every=16, return_kept_positions=True, **extra)
               for m, schedule, b, extra in methods]
     results = {}
