@@ -51,6 +51,15 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
+def context_exceeded(max_model_len: int, prompt: int, completion: int, chat: bool, param: str) -> APIError:
+    """A request longer than the model's context, as OpenAI words it and with its code (what
+    clients such as LiteLLM look for to fall back to a model with a longer context)."""
+    part = "messages" if chat else "prompt"
+    return APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                    f"{prompt + completion} tokens ({prompt} in the {part}, {completion} in the completion). "
+                    f"Please reduce the length of the {part} or completion.", param, code="context_length_exceeded")
+
+
 def from_engine(error: Exception, fields: list[str]) -> APIError:
     """What the engine raised for a request: TypeError and ValueError are the client's (400,
     param: the first field the message names), anything else the server's (500)."""
@@ -80,11 +89,11 @@ def parse(body, chat: bool, tokenizer: Tokenizer | None, max_model_len: int) -> 
         prompts = [_chat_prompt(body.get("messages"), tokenizer)]
     else:
         prompts = _completion_prompts(body.get("prompt"), tokenizer)
-    for i, ids in enumerate(prompts):
-        if len(ids) >= max_model_len:
-            where = "the prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            raise bad_request(f"{where} has {len(ids)} tokens; this model's context is {max_model_len} tokens "
-                              "(prompt + output)", "messages" if chat else "prompt")
+    longest = max(map(len, prompts))
+    if longest >= max_model_len:   # at least one token of output must fit
+        asked = (chat and body.get("max_completion_tokens")) or body.get("max_tokens")
+        completion = asked if type(asked) is int and asked > 0 else 1
+        raise context_exceeded(max_model_len, longest, completion, chat, "messages" if chat else "prompt")
     n = 1 if body.get("n") is None else body["n"]
     if type(n) is not int or not 1 <= n <= MAX_N:
         raise bad_request(f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
@@ -95,14 +104,16 @@ def parse(body, chat: bool, tokenizer: Tokenizer | None, max_model_len: int) -> 
     if not isinstance(echo, bool):
         raise bad_request(f"echo must be true or false, got {echo!r}", "echo")
     prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
-    params = _sampling_params({**body, "max_tokens": 1} if prompt_only else body, chat,
-                              max_model_len - max(map(len, prompts)),
+    params = _sampling_params({**body, "max_tokens": 1} if prompt_only else body, chat, max_model_len, longest,
                               logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
     stream, options = body.get("stream") or False, body.get("stream_options") or {}
     if not isinstance(stream, bool):
         raise bad_request(f"stream must be true or false, got {stream!r}", "stream")
     if not isinstance(options, dict):
         raise bad_request(f"stream_options must be an object, got {options!r}", "stream_options")
+    if options.get("continuous_usage_stats"):
+        raise bad_request("stream_options.continuous_usage_stats is not supported: include_usage sends the usage "
+                          "in a last chunk", "stream_options")
     requests = [(ids, _choice(params, j, n)) for ids in prompts for j in range(n)]
     return ParsedRequest(requests, n, stream, bool(options.get("include_usage")), logprobs, echo, prompt_only)
 
@@ -199,16 +210,15 @@ def _plain_message(message, index: int) -> dict:
     return {"role": message["role"], "content": content}
 
 
-def _sampling_params(body: dict, chat: bool, room: int, **outputs) -> SamplingParams:
-    """SamplingParams from the body, with the outputs the API's own fields ask for; its own
-    checks name a bad field (-> 400)."""
+def _sampling_params(body: dict, chat: bool, max_model_len: int, prompt: int, **outputs) -> SamplingParams:
+    """SamplingParams from the body (prompt: the longest prompt's tokens), with the outputs the
+    API's own fields ask for; its own checks name a bad field (-> 400)."""
     fields = {name: body[name] for name in (*SAMPLING_FIELDS, *EXTENSIONS) if body.get(name) is not None}
     if chat and body.get("max_completion_tokens") is not None:   # the newer name of max_tokens
         fields["max_tokens"] = body["max_completion_tokens"]
-    requested = fields.get("max_tokens")
+    requested, room = fields.get("max_tokens"), max_model_len - prompt
     if type(requested) is int and requested > room:
-        raise bad_request(f"max_tokens={requested} does not fit: the prompt leaves room for {room} tokens "
-                          "in this model's context", "max_tokens")
+        raise context_exceeded(max_model_len, prompt, requested, chat, "max_tokens")
     fields.setdefault("max_tokens", room if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, room))
     try:
         return SamplingParams(**fields, **outputs)

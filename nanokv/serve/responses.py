@@ -33,8 +33,10 @@ class _ChoiceStream:
 class Responder:
     """The JSON of one request's response, whole or as stream chunks, a choice each."""
 
-    def __init__(self, chat: bool, model: str, parsed: ParsedRequest, tokenizer: Tokenizer | None):
+    def __init__(self, chat: bool, model: str, parsed: ParsedRequest, tokenizer: Tokenizer | None,
+                 fingerprint: str):
         self.chat, self.model, self.parsed, self.tokenizer = chat, model, parsed, tokenizer
+        self.fingerprint = fingerprint   # system_fingerprint: which engine and settings answered
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sent = [_ChoiceStream() for _ in parsed.requests]
@@ -150,4 +152,4 @@ class Responder:
 
     def _envelope(self, kind: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+                "system_fingerprint": self.fingerprint, "choices": choices, **extra}

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server: python -m nanokv.serve [--model DIR_OR_HUB_ID] [engine options].
 
 Endpoints: POST /v1/completions and /v1/chat/completions (stream: true gives
-server-sent events), GET /v1/models, GET /health (no key needed; engine stats).
+server-sent events), GET /v1/models and /v1/models/{id}, GET /health (no key needed;
+engine stats). Web pages of --allowed-origins may call it (CORS).
 Starlette on uvicorn; one engine thread steps the LLM for every request
 (engine_thread.py); requests are checked in openai_api.py, responses built in responses.py.
 SIGINT/SIGTERM: uvicorn stops taking connections and lets the open ones finish;
@@ -13,15 +14,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import hmac
 import json
 import logging
 import threading
 from collections.abc import AsyncIterator
+from importlib.metadata import version
 
 import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -41,9 +47,14 @@ class ClientGone(Exception):
     """The client of a non-streaming request disconnected."""
 
 
-def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> Starlette:
-    """The server's ASGI app. It owns `llm` from now on: only its engine thread touches it."""
+def build_app(llm: LLM, model_name: str, api_key: str | None = None,
+              allowed_origins: list[str] | None = None) -> Starlette:
+    """The server's ASGI app. It owns `llm` from now on: only its engine thread touches it.
+    allowed_origins: the web origins whose pages may call it (CORS; None: none, "*": any)."""
     engine = EngineThread(llm)
+    fingerprint = system_fingerprint(llm)
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "nanokv",
+            "max_model_len": llm.config.max_model_len}
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -57,9 +68,14 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> Starlett
 
     async def models(request: Request) -> Response:
         check_key(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "nanokv",
-             "max_model_len": llm.config.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request: Request) -> Response:
+        check_key(request)
+        if request.path_params["model_id"] != model_name:
+            raise APIError(404, f"The model {request.path_params['model_id']!r} does not exist; this server serves "
+                           f"{model_name!r}", "model", code="model_not_found")
+        return JSONResponse(card)
 
     async def completions(request: Request) -> Response:
         return await generate(request, chat=False)
@@ -85,7 +101,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> Starlett
             raise
         if isinstance(accepted, Exception):
             raise from_engine(accepted, list(body))
-        responder = Responder(chat, model_name, parsed, llm.tokenizer)
+        responder = Responder(chat, model_name, parsed, llm.tokenizer, fingerprint)
         if parsed.stream:
             return StreamingResponse(stream_events(keys, results, parsed, responder),
                                      media_type="text/event-stream")
@@ -165,13 +181,22 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> Starlett
     async def http_error(request: Request, error: HTTPException) -> Response:   # 404, 405
         return JSONResponse(APIError(error.status_code, error.detail).body(), status_code=error.status_code)
 
+    cors = [Middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])]
     app = Starlette(routes=[
-        Route("/health", health), Route("/v1/models", models),
+        Route("/health", health), Route("/v1/models", models), Route("/v1/models/{model_id:path}", model),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-    ], exception_handlers={APIError: api_error, HTTPException: http_error}, lifespan=lifespan)
+    ], exception_handlers={APIError: api_error, HTTPException: http_error}, lifespan=lifespan,
+        middleware=cors if allowed_origins else None)
     app.state.engine = engine
     return app
+
+
+def system_fingerprint(llm: LLM) -> str:
+    """What OpenAI's system_fingerprint says: which engine and settings made a response (its
+    version, and a hash of the engine's options and model's shape)."""
+    settings = repr((sorted(dataclasses.asdict(llm.config).items()), llm.model_config, str(llm.dtype)))
+    return f"fp_nanokv-{version('nanokv')}-{hashlib.sha256(settings.encode()).hexdigest()[:10]}"
 
 
 # ----- command line -----------------------------------------------------------------------
@@ -185,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (not on /health)")
+    parser.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                        help="web origins whose pages may call the server, e.g. http://localhost:3000 or * for any "
+                             "(CORS; default: none)")
     parser.add_argument("--log-level", default="info")
     parser.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="on SIGINT/SIGTERM, how long requests in flight may take to finish before they end "
@@ -197,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError, TypeError, torch.OutOfMemoryError) as error:
         raise SystemExit(f"nanokv.serve: {error}") from None
     name = args.served_model_name or args.model or BUNDLED_MODEL_NAME
-    app = build_app(llm, name, args.api_key)
+    app = build_app(llm, name, args.api_key, args.allowed_origins)
     log.info("serving %s on http://%s:%d/v1", name, args.host, args.port)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.drain_timeout + 5))

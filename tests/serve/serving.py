@@ -15,9 +15,9 @@ MODEL = "tiny"
 
 
 @contextlib.contextmanager
-def running_server(llm: LLM, api_key: str | None = None):
+def running_server(llm: LLM, api_key: str | None = None, allowed_origins: list[str] | None = None):
     """A real uvicorn server on a free loopback port, in a thread; yields (base URL, app)."""
-    app = build_app(llm, MODEL, api_key)
+    app = build_app(llm, MODEL, api_key, allowed_origins)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -2,6 +2,7 @@
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -172,6 +173,8 @@ BAD_REQUESTS = [   # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "echo": 1}, 400, "echo"),
     ("completions", {"prompt": "hi", "top_logprobs": 2}, 400, "top_logprobs"),
     ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options"),
     ("completions", {"prompt": "hi", "kv_method": "magic"}, 400, "kv_method"),
     ("completions", {"prompt": "hi", "kv_method": "batchmax", "kv_budget": 3}, 400, "kv_budget"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
@@ -361,3 +364,47 @@ def test_serve_bench_drives_the_server_and_measures_it(server):
     assert result["requests"] == 8 and result["output_tokens"] == sum(n for _, n in requests)
     assert result["ttft_s_p50"] > 0 and result["itl_s_p99"] >= result["itl_s_p50"] > 0
     assert "requests/s" in serve_bench.report(result)
+
+
+@pytest.mark.parametrize("chat, body", [
+    (False, {"prompt": "x" * 300}), (False, {"prompt": "hi", "max_tokens": 1000}),
+    (True, {"messages": [{"role": "user", "content": "x" * 300}], "max_completion_tokens": 5})])
+def test_a_request_over_the_context_gets_openai_s_code_and_wording(server, chat, body):
+    """What clients such as LiteLLM look for to fall back to a model with a longer context."""
+    response = httpx.post(f"{server[0]}/v1/{'chat/completions' if chat else 'completions'}", json=body, timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded"
+    asked = re.fullmatch(r"This model's maximum context length is 256 tokens\. However, you requested (\d+) tokens "
+                         r"\((\d+) in the (messages|prompt), (\d+) in the completion\)\. Please reduce the length "
+                         r"of the \3 or completion\.", error["message"])
+    total, prompt, part, completion = asked.groups()
+    assert int(total) == int(prompt) + int(completion) and part == ("messages" if chat else "prompt")
+    assert int(completion) == body.get("max_tokens", body.get("max_completion_tokens", 1))
+
+
+def test_the_model_is_found_by_its_id_and_responses_say_which_engine_made_them(client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.code == "model_not_found"
+    whole = client.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3, stream=True))
+    assert whole.system_fingerprint.startswith("fp_nanokv-")
+    assert {chunk.system_fingerprint for chunk in chunks} == {whole.system_fingerprint}
+
+
+def test_web_pages_of_the_allowed_origins_alone_may_call_the_server(model_dir, server):
+    """CORS is off unless origins are given: a browser's preflight then gets the headers for an
+    allowed origin only."""
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    response = httpx.options(f"{server[0]}/v1/chat/completions", headers={"Origin": "http://ui.example", **preflight})
+    assert "access-control-allow-origin" not in response.headers
+    with running_server(LLM(str(model_dir), **ENGINE), allowed_origins=["http://ui.example"]) as (base, _):
+        allowed = httpx.options(f"{base}/v1/chat/completions", headers={"Origin": "http://ui.example", **preflight})
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == "http://ui.example"
+        other = httpx.options(f"{base}/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight})
+        assert "access-control-allow-origin" not in other.headers
+        models = httpx.get(f"{base}/v1/models", headers={"Origin": "http://ui.example"})
+        assert models.headers["access-control-allow-origin"] == "http://ui.example"
