@@ -154,6 +154,7 @@ class LLM:
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         params.check()
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
+        check_token_ids("logit_bias", list(params.logit_bias), self.model_config.vocab_size)
         method = method_for(params, self.config, self.config.block_size)
         if params.return_kept_positions and method.name == "full":
             raise ValueError("return_kept_positions needs an evicting kv_method (any but full); "

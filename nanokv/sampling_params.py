@@ -7,6 +7,7 @@ from nanokv.checks import SEED_RANGE, check_bool, check_float, check_int, check_
 from nanokv.eviction import EvictionSettings
 
 MAX_LOGPROBS = 20   # the most alternatives a token's log-probability comes with, as OpenAI allows
+MAX_LOGIT_BIAS = 300   # tokens a request may bias, as OpenAI allows, each by at most 100 either way
 
 
 @dataclass
@@ -17,6 +18,8 @@ class SamplingParams(EvictionSettings):
     temperature: float = 1.0        # 0 = greedy
     top_p: float = 1.0              # nucleus: keep the smallest set of tokens with this much mass
     top_k: int = 0                  # keep the k most likely tokens; 0 = all
+    min_p: float = 0.0              # keep the tokens at least min_p times as likely as the most likely one
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit (OpenAI's)
     seed: int | None = None         # a request's own random stream, independent of its batch
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
@@ -37,6 +40,13 @@ class SamplingParams(EvictionSettings):
         check_float("temperature", self.temperature, 0)
         check_float("top_p", self.top_p, 0, 1, low_open=True)
         check_int("top_k", self.top_k, 0)
+        check_float("min_p", self.min_p, 0, 1)
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise TypeError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases, "
+                            f"got {self.logit_bias!r}")
+        check_token_ids("logit_bias", list(self.logit_bias))
+        for bias in self.logit_bias.values():
+            check_float("logit_bias", bias, -100, 100)
         check_int("seed", self.seed, *SEED_RANGE, optional=True)
         check_bool("ignore_eos", self.ignore_eos)
         check_token_ids("stop_token_ids", self.stop_token_ids)

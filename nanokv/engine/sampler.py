@@ -75,13 +75,18 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
+        biased = [(row, token, bias) for row, p in enumerate(params) if p.logit_bias
+                  for token, bias in p.logit_bias.items()]
+        if biased:   # one scatter for every row's biases; the logits the caller holds stay as they were
+            rows, tokens, biases = (kernels.from_host(list(column), logits.device) for column in zip(*biased))
+            logits = logits.index_put((rows, tokens), biases.to(logits.dtype), accumulate=True)
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
             return greedy
         device = logits.device
         temperature = kernels.from_host([p.temperature or 1.0 for p in params], device)
         probs = (logits / temperature[:, None]).softmax(dim=-1)
-        if any(p.top_k or p.top_p < 1 for p in params):
+        if any(p.top_k or p.top_p < 1 or p.min_p for p in params):
             probs = self._truncate(probs, params)
         races = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in enumerate(generators):
@@ -93,14 +98,17 @@ class Sampler:
 
     @staticmethod
     def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Zero every token outside each row's top-k and top-p set (the top token always stays)."""
+        """Zero every token outside each row's top-k and top-p set, and those less likely than
+        min_p times its top token (which always stays)."""
         device, vocab = probs.device, probs.shape[-1]
         top_k = kernels.from_host([p.top_k or vocab for p in params], device)
         top_p = kernels.from_host([p.top_p for p in params], device)
+        min_p = kernels.from_host([p.min_p for p in params], device)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop = (rank[None] >= top_k[:, None]) | (mass_before >= top_p[:, None])
+        drop = (rank[None] >= top_k[:, None]) | (mass_before >= top_p[:, None]) \
+            | (sorted_probs < min_p[:, None] * sorted_probs[:, :1])
         return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
 
 

@@ -20,10 +20,11 @@ ROLES = ("system", "developer", "user", "assistant", "tool")   # the chat roles 
 # Fields of the OpenAI API nanokv does not implement, accepted only at a value that asks
 # for nothing (None always is one); anything else is a 400 that names the field.
 NEUTRAL_VALUES = {
-    "best_of": (1,), "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "best_of": (1,), "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,),
     "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
 }
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")   # OpenAI's, same name in SamplingParams
+# OpenAI's fields of the same name in SamplingParams
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "logit_bias")
 COMMON_FIELDS = {"model", "stream", "stream_options", "user", "n", *SAMPLING_FIELDS, *NEUTRAL_VALUES}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "parallel_tool_calls", "logprobs", "top_logprobs"}
@@ -216,6 +217,12 @@ def _sampling_params(body: dict, chat: bool, max_model_len: int, prompt: int, **
     fields = {name: body[name] for name in (*SAMPLING_FIELDS, *EXTENSIONS) if body.get(name) is not None}
     if chat and body.get("max_completion_tokens") is not None:   # the newer name of max_tokens
         fields["max_tokens"] = body["max_completion_tokens"]
+    if isinstance(fields.get("logit_bias"), dict):   # JSON's keys are strings: token ids as text
+        try:
+            fields["logit_bias"] = {int(token): bias for token, bias in fields["logit_bias"].items()}
+        except ValueError:
+            raise bad_request(f"logit_bias maps token ids to biases, got {fields['logit_bias']!r}",
+                              "logit_bias") from None
     requested, room = fields.get("max_tokens"), max_model_len - prompt
     if type(requested) is int and requested > room:
         raise context_exceeded(max_model_len, prompt, requested, chat, "max_tokens")

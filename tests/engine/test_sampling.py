@@ -46,11 +46,55 @@ def test_rows_keep_their_own_parameters_in_one_batch():
     assert set(out[:, 2].tolist()) == {0, 1, 2, 3}
 
 
+def test_min_p_keeps_the_tokens_at_least_that_fraction_as_likely_as_the_top_one():
+    logits = torch.tensor([2.0, 1.5, 0.0, -3.0])
+    probs = logits.softmax(-1)   # relative to the top token: 1, 0.61, 0.14, 0.007
+    freq = torch.bincount(sample_many(logits, SamplingParams(min_p=0.1), n=20000), minlength=4).float() / 20000
+    kept = probs[:3] / probs[:3].sum()   # what is left, renormalised
+    assert freq[3] == 0 and (freq[:3] - kept).abs().max() < 0.015
+    assert set(sample_many(logits, SamplingParams(min_p=0.7)).tolist()) == {0}
+    assert set(sample_many(logits, SamplingParams(min_p=1.0)).tolist()) == {0}   # the top token always stays
+
+
+def test_logit_bias_moves_its_tokens_and_only_its_own_row_s():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]]).expand(4, -1).clone()
+    params = [SamplingParams(temperature=0, logit_bias={3: 100}), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logit_bias={0: -100, 1: -100}), SamplingParams(temperature=0)]
+    assert Sampler(torch.device("cpu"), 0)(logits, params, [None] * 4).tolist() == [3, 0, 2, 0]
+    assert logits[0].tolist() == [3.0, 2.0, 1.0, 0.0]   # the logits logprobs are read from are not biased
+    forced = sample_many(logits[0], SamplingParams(logit_bias={2: 100.0}))
+    assert set(forced.tolist()) == {2}
+    banned = sample_many(logits[0], SamplingParams(logit_bias={0: -100, 1: -100, 2: -100}))
+    assert set(banned.tolist()) == {3}
+
+
+@pytest.mark.parametrize("field, value, error, message", [
+    ("min_p", 1.5, ValueError, "min_p"), ("logit_bias", {5: 101}, ValueError, "logit_bias"),
+    ("logit_bias", {"5": 1}, TypeError, "logit_bias: token ids are integers"),
+    ("logit_bias", {i: 1 for i in range(301)}, TypeError, "at most 300"), ("logit_bias", [5], TypeError, "dict")])
+def test_bad_min_p_and_logit_bias_are_refused(field, value, error, message):
+    with pytest.raises(error, match=message):
+        SamplingParams(**{field: value})
+
+
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
     make_tiny_model(path, "llama")
     return LLM(str(path), dtype="float32", num_kv_blocks=128, max_model_len=256)
+
+
+def test_a_biased_request_beside_plain_ones_gets_its_own_tokens(llm):
+    """logit_bias +100 forces its token; the plain requests in the batch get what they get alone; a
+    token outside the vocabulary is refused when the request is queued."""
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    forced = SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, logit_bias={65: 100})
+    alone = llm.generate([[1, 2, 3], [9] * 20], plain)
+    mixed = llm.generate([[1, 2, 3], [5, 6, 7], [9] * 20], [plain, forced, plain])
+    assert mixed[1].token_ids == [65] * 8
+    assert [mixed[0].token_ids, mixed[2].token_ids] == [out.token_ids for out in alone]
+    with pytest.raises(ValueError, match="logit_bias: token id 99999 is outside the vocabulary"):
+        llm.generate([[1, 2]], SamplingParams(logit_bias={99999: 5}))
 
 
 def test_seeded_requests_do_not_depend_on_their_batch(llm):

@@ -173,6 +173,9 @@ BAD_REQUESTS = [   # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "echo": 1}, 400, "echo"),
     ("completions", {"prompt": "hi", "top_logprobs": 2}, 400, "top_logprobs"),
     ("completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("completions", {"prompt": "hi", "min_p": 2}, 400, "min_p"),
     ("completions", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
      "stream_options"),
     ("completions", {"prompt": "hi", "kv_method": "magic"}, 400, "kv_method"),
@@ -408,3 +411,10 @@ def test_web_pages_of_the_allowed_origins_alone_may_call_the_server(model_dir, s
         assert "access-control-allow-origin" not in other.headers
         models = httpx.get(f"{base}/v1/models", headers={"Origin": "http://ui.example"})
         assert models.headers["access-control-allow-origin"] == "http://ui.example"
+
+
+def test_logit_bias_and_min_p_as_clients_send_them(client, reference):
+    """OpenAI's logit_bias (token ids as JSON's string keys), and min_p by name, as Open WebUI sends it."""
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, logit_bias={"65": 100},
+                                    extra_body={"min_p": 0.05})
+    assert out.choices[0].text == reference.tokenizer.decode([65] * 4)
