@@ -20,6 +20,9 @@ class SamplingParams(EvictionSettings):
     top_k: int = 0                  # keep the k most likely tokens; 0 = all
     min_p: float = 0.0              # keep the tokens at least min_p times as likely as the most likely one
     logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit (OpenAI's)
+    presence_penalty: float = 0.0   # OpenAI's: off a token's logit once it is in the output, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI's: off a token's logit for each time it is in the output, in [-2, 2]
+    repetition_penalty: float = 1.0  # HF's: a logit of a token in the prompt or output divided by it (> 0), 1 = off
     seed: int | None = None         # a request's own random stream, independent of its batch
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
@@ -31,6 +34,11 @@ class SamplingParams(EvictionSettings):
     def __post_init__(self):
         self.check()
 
+    @property
+    def penalizes(self) -> bool:
+        """Whether sampling reads the tokens so far (a step is then read before the next runs)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
     def check(self) -> None:
         """Raise a TypeError or ValueError naming the first bad field. Run at construction
         and again when a request is queued (the fields may have been changed since)."""
@@ -41,6 +49,9 @@ class SamplingParams(EvictionSettings):
         check_float("top_p", self.top_p, 0, 1, low_open=True)
         check_int("top_k", self.top_k, 0)
         check_float("min_p", self.min_p, 0, 1)
+        check_float("presence_penalty", self.presence_penalty, -2, 2)
+        check_float("frequency_penalty", self.frequency_penalty, -2, 2)
+        check_float("repetition_penalty", self.repetition_penalty, 0, low_open=True)
         if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise TypeError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids to biases, "
                             f"got {self.logit_bias!r}")

@@ -3,6 +3,9 @@ the sampled tokens' way to the host; and the log-probabilities of given tokens u
 of logits (a request's logprobs)."""
 from __future__ import annotations
 
+from itertools import chain
+
+import numpy as np
 import torch
 
 import kernels
@@ -10,6 +13,7 @@ from nanokv.engine.sequence import Sequence, TokenLogprob
 from nanokv.sampling_params import SamplingParams
 
 FAILED = -1   # the token of a row that could not be sampled (its error is in Sampler.errors)
+PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 
 
 class SampledTokens:
@@ -52,34 +56,33 @@ class Sampler:
         self.errors: dict[int, Exception] = {}   # row -> why it got FAILED, in row order
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> torch.Tensor:
+                 generators: list[torch.Generator | None], seqs: list[Sequence] | None = None) -> torch.Tensor:
+        """seqs: the rows' sequences, whose tokens so far the penalties count (all of them known:
+        a step of a request with penalties is read before the next one is scheduled)."""
         self.errors = {}
         states = {row: gen.get_state() for row, gen in enumerate(generators) if gen is not None}   # before this call
         try:
-            return self._sample(logits, params, generators)
+            return self._sample(logits, params, generators, seqs)
         except Exception:
-            return self._sample_rows_alone(logits, params, generators, states)
+            return self._sample_rows_alone(logits, params, generators, seqs, states)
 
     def _sample_rows_alone(self, logits: torch.Tensor, params: list[SamplingParams],
-                           generators: list[torch.Generator | None], states: dict) -> torch.Tensor:
+                           generators: list[torch.Generator | None], seqs: list[Sequence] | None,
+                           states: dict) -> torch.Tensor:
         tokens = []
         for row, (p, gen) in enumerate(zip(params, generators)):
             try:
                 if row in states:   # rows without a state had drawn nothing yet
                     gen.set_state(states[row])
-                tokens.append(int(self._sample(logits[row:row + 1], [p], [gen])[0]))
+                tokens.append(int(self._sample(logits[row:row + 1], [p], [gen], seqs and seqs[row:row + 1])[0]))
             except Exception as error:
                 self.errors[row] = error
                 tokens.append(FAILED)
         return torch.tensor(tokens, device=logits.device)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
-        biased = [(row, token, bias) for row, p in enumerate(params) if p.logit_bias
-                  for token, bias in p.logit_bias.items()]
-        if biased:   # one scatter for every row's biases; the logits the caller holds stay as they were
-            rows, tokens, biases = (kernels.from_host(list(column), logits.device) for column in zip(*biased))
-            logits = logits.index_put((rows, tokens), biases.to(logits.dtype), accumulate=True)
+                generators: list[torch.Generator | None], seqs: list[Sequence] | None) -> torch.Tensor:
+        logits = self._penalize(logits, params, seqs)
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
             return greedy
@@ -95,6 +98,40 @@ class Sampler:
         sampled = (probs / races).argmax(dim=-1)
         is_greedy = kernels.from_host([p.temperature == 0 for p in params], device)
         return torch.where(is_greedy, greedy, sampled)
+
+    @staticmethod
+    def _penalize(logits: torch.Tensor, params: list[SamplingParams], seqs: list[Sequence] | None) -> torch.Tensor:
+        """The logits with each row's logit_bias added and its penalties applied, as vLLM orders
+        them: repetition (HF's: a seen token's logit divided by it if positive, else multiplied,
+        over prompt and output), then frequency and presence (OpenAI's: minus the penalty times
+        the token's count in the output, minus the other once it is there). A copy, made only
+        for a batch with a row that asks: the caller's logits stay raw (logprobs read them)."""
+        biased = [(row, token, bias) for row, p in enumerate(params) if p.logit_bias
+                  for token, bias in p.logit_bias.items()]
+        if biased:   # one scatter for every row's biases
+            rows, tokens, biases = (kernels.from_host(list(column), logits.device) for column in zip(*biased))
+            logits = logits.index_put((rows, tokens), biases.to(logits.dtype), accumulate=True)
+        rows = [row for row, p in enumerate(params) if p.penalizes]
+        if not rows:
+            return logits
+        device, picked = logits.device, [seqs[row] for row in rows]
+
+        def counts(lists: list[list[int]]) -> torch.Tensor:   # [R, vocab]: each row's count of each token
+            found = torch.zeros(len(rows), logits.shape[-1], device=device)
+            where = (np.repeat(np.arange(len(lists)), [len(ids) for ids in lists]),
+                     np.fromiter(chain(*lists), np.int64))
+            return found.index_put_(tuple(kernels.from_host(w, device) for w in where), torch.ones(1, device=device),
+                                    accumulate=True)
+        output = counts([seq.output_token_ids for seq in picked])
+        seen = (output + counts([seq.prompt_token_ids for seq in picked])) > 0
+        frequency, presence, repetition = (kernels.from_host([getattr(params[row], name) for row in rows], device)
+                                           [:, None].to(logits.dtype) for name in PENALTIES)
+        index = kernels.from_host(rows, device)
+        penalized = logits[index]
+        penalized = torch.where(seen, torch.where(penalized > 0, penalized / repetition, penalized * repetition),
+                                penalized)
+        penalized = penalized - frequency * output - presence * (output > 0)
+        return logits.index_copy(0, index, penalized)
 
     @staticmethod
     def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -20,11 +20,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")   # the chat roles 
 # Fields of the OpenAI API nanokv does not implement, accepted only at a value that asks
 # for nothing (None always is one); anything else is a 400 that names the field.
 NEUTRAL_VALUES = {
-    "best_of": (1,), "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "best_of": (1,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
 }
 # OpenAI's fields of the same name in SamplingParams
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "logit_bias")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "logit_bias", "presence_penalty",
+                   "frequency_penalty")
 COMMON_FIELDS = {"model", "stream", "stream_options", "user", "n", *SAMPLING_FIELDS, *NEUTRAL_VALUES}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "parallel_tool_calls", "logprobs", "top_logprobs"}

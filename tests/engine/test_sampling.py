@@ -5,6 +5,7 @@ import torch
 from helpers import make_tiny_model
 from nanokv import LLM, SamplingParams
 from nanokv.engine.sampler import FAILED, Sampler
+from nanokv.engine.sequence import Sequence
 
 
 def sample_many(logits_row, params, n=4000, seed=0):
@@ -71,10 +72,54 @@ def test_logit_bias_moves_its_tokens_and_only_its_own_row_s():
 @pytest.mark.parametrize("field, value, error, message", [
     ("min_p", 1.5, ValueError, "min_p"), ("logit_bias", {5: 101}, ValueError, "logit_bias"),
     ("logit_bias", {"5": 1}, TypeError, "logit_bias: token ids are integers"),
-    ("logit_bias", {i: 1 for i in range(301)}, TypeError, "at most 300"), ("logit_bias", [5], TypeError, "dict")])
-def test_bad_min_p_and_logit_bias_are_refused(field, value, error, message):
+    ("logit_bias", {i: 1 for i in range(301)}, TypeError, "at most 300"), ("logit_bias", [5], TypeError, "dict"),
+    ("presence_penalty", 2.5, ValueError, "presence_penalty"), ("frequency_penalty", -3, ValueError, "frequency"),
+    ("repetition_penalty", 0, ValueError, "repetition_penalty")])
+def test_bad_sampling_knobs_are_refused(field, value, error, message):
     with pytest.raises(error, match=message):
         SamplingParams(**{field: value})
+
+
+def penalized(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
+    """The penalties' definitions, token by token: HF's repetition penalty over prompt and output,
+    then OpenAI's frequency and presence penalties over the output."""
+    x = logits.clone()
+    for t in set(prompt) | set(output):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(output):
+        x[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return x
+
+
+PENALTIES = [dict(presence_penalty=1.5), dict(frequency_penalty=0.7), dict(repetition_penalty=1.8),
+             dict(repetition_penalty=0.6, frequency_penalty=-0.5, presence_penalty=0.3)]
+
+
+def test_penalties_are_their_definitions_row_by_row():
+    """Greedy rows with and without penalties in one batch, on random logits and histories."""
+    g = torch.Generator().manual_seed(0)
+    sampler = Sampler(torch.device("cpu"), 0)
+    for _ in range(50):
+        logits = torch.randn(6, 30, generator=g) * 3
+        params = [SamplingParams(temperature=0, **kind) for kind in PENALTIES] + [SamplingParams(temperature=0)] * 2
+        seqs = [Sequence(i, torch.randint(0, 30, (5,), generator=g).tolist(), p,
+                         output_token_ids=torch.randint(0, 30, (8,), generator=g).tolist())
+                for i, p in enumerate(params)]
+        expected = [int(penalized(row, s.prompt_token_ids, s.output_token_ids, s.params).argmax()) if s.params.penalizes
+                    else int(row.argmax()) for row, s in zip(logits, seqs)]
+        before = logits.clone()
+        assert sampler(logits, params, [None] * 6, seqs).tolist() == expected
+        assert torch.equal(logits, before)   # logprobs read the raw logits
+
+
+def test_a_penalized_row_samples_from_its_penalized_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.2)
+    seq = Sequence(0, [3], params, output_token_ids=[0, 0, 1])
+    sampler, n = Sampler(torch.device("cpu"), 0), 20000
+    tokens = sampler(logits.expand(n, -1).clone(), [params] * n, [None] * n, [seq] * n)
+    freq = torch.bincount(tokens, minlength=4).float() / n
+    assert (freq - penalized(logits, [3], [0, 0, 1], params).softmax(-1)).abs().max() < 0.015
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +140,25 @@ def test_a_biased_request_beside_plain_ones_gets_its_own_tokens(llm):
     assert [mixed[0].token_ids, mixed[2].token_ids] == [out.token_ids for out in alone]
     with pytest.raises(ValueError, match="logit_bias: token id 99999 is outside the vocabulary"):
         llm.generate([[1, 2]], SamplingParams(logit_bias={99999: 5}))
+
+
+def test_penalized_requests_match_transformers_step_by_step(llm):
+    """Greedy under each penalty, overlapped steps on, beside plain requests: the tokens HF's model
+    gives when its logits at each step are penalized by the definitions above."""
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llm.config.model, dtype=torch.float32).eval()
+    prompts = [[5, 6, 7, 5, 6], [9, 8, 9, 8], [1, 2, 3], [40, 41]]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **kind) for kind in PENALTIES]
+    outs = llm.generate(prompts + [[1, 2, 3]], params + [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)])
+    for prompt, p, out in zip(prompts, params, outs):
+        tokens = []
+        with torch.no_grad():
+            for _ in range(12):
+                logits = hf(torch.tensor([prompt + tokens])).logits[0, -1]
+                tokens.append(int(penalized(logits, prompt, tokens, p).argmax()))
+        assert out.token_ids == tokens, p
+    assert outs[-1].token_ids == llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=12,
+                                                                           ignore_eos=True))[0].token_ids
 
 
 def test_seeded_requests_do_not_depend_on_their_batch(llm):

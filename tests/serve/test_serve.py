@@ -176,6 +176,8 @@ BAD_REQUESTS = [   # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("completions", {"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ("completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("completions", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
      "stream_options"),
     ("completions", {"prompt": "hi", "kv_method": "magic"}, 400, "kv_method"),
@@ -413,8 +415,17 @@ def test_web_pages_of_the_allowed_origins_alone_may_call_the_server(model_dir, s
         assert models.headers["access-control-allow-origin"] == "http://ui.example"
 
 
-def test_logit_bias_and_min_p_as_clients_send_them(client, reference):
-    """OpenAI's logit_bias (token ids as JSON's string keys), and min_p by name, as Open WebUI sends it."""
+def test_the_sampling_knobs_as_clients_send_them(client, reference):
+    """OpenAI's logit_bias (token ids as JSON's string keys) and penalties; min_p and
+    repetition_penalty by name, as Open WebUI sends them."""
     out = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, logit_bias={"65": 100},
                                     extra_body={"min_p": 0.05})
     assert out.choices[0].text == reference.tokenizer.decode([65] * 4)
+    knobs = dict(frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.3)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi hi hi"}],
+                                          max_tokens=12, temperature=0, extra_body={"repetition_penalty": 1.3},
+                                          frequency_penalty=0.8, presence_penalty=0.4)
+    template = reference.tokenizer.apply_chat_template([{"role": "user", "content": "hi hi hi"}])
+    prompt = reference.tokenizer.encode(template, add_special_tokens=False)
+    expected = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=12, **knobs))[0]
+    assert chat.choices[0].message.content == expected.text
