@@ -112,22 +112,23 @@ def test_phi3_long_rope_picks_its_factors_as_transformers_generate_does(tmp_path
                 assert max(abs(e.logprob - lp) for e, lp in zip(out.logprobs, logprobs)) <= 1e-4
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m != "full"])
-def test_phi3_runs_every_eviction_method(tiny_models, method):
-    """Multi-head (a query head a KV head): every method runs, and under Batch-Max's schedule each
-    ranking keeps at most |kv| pairs per head (kvcompress: on average over its heads)."""
-    llm = LLM(str(tiny_models("phi3")), dtype="float32", num_kv_blocks=64, max_model_len=256)
-    options = dict(kv_window=8) if method == "snapkv" else {}
-    if method in RANKINGS:
-        options["kv_schedule"] = "prefill"
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=method, kv_budget=32,
-                            evict_every=16, return_kept_positions=True, **options)
+def test_phi3_runs_every_eviction_method(tiny_models):
+    """Multi-head (a query head a KV head), every method in one batch: each runs, and under
+    Batch-Max's schedule each ranking keeps at most |kv| pairs per head (kvcompress: on average
+    over its heads)."""
+    llm = LLM(str(tiny_models("phi3")), dtype="float32", num_kv_blocks=128, max_model_len=256)
+    methods = [m for m in METHODS if m != "full"]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=method, kv_budget=32,
+                             evict_every=16, return_kept_positions=True,
+                             **(dict(kv_window=8) if method == "snapkv" else {}),
+                             **(dict(kv_schedule="prefill") if method in RANKINGS else {}))
+              for method in methods for _ in range(2)]
     g = torch.Generator().manual_seed(2)
-    outs = llm.generate([torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (30, 60)], params)
-    for out in outs:
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for _ in methods for n in (30, 60)]
+    for method, out in zip([m for m in methods for _ in range(2)], llm.generate(prompts, params)):
         assert len(out.token_ids) == 20
         kept = (out.kept_positions >= 0).sum(-1)   # [layers, kv heads]
         assert kept.min() > 0
         if method in RANKINGS:
-            assert (kept.float().mean() if method == "kvcompress" else kept.max()) <= 32
+            assert (kept.float().mean() if method == "kvcompress" else kept.max()) <= 32, method
     assert llm.blocks.num_free == llm.blocks.num_blocks
