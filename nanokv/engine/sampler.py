@@ -123,13 +123,14 @@ class Sampler:
             return found.index_put_(tuple(kernels.from_host(w, device) for w in where), torch.ones(1, device=device),
                                     accumulate=True)
         output = counts([seq.output_token_ids for seq in picked])
-        seen = (output + counts([seq.prompt_token_ids for seq in picked])) > 0
         frequency, presence, repetition = (kernels.from_host([getattr(params[row], name) for row in rows], device)
                                            [:, None].to(logits.dtype) for name in PENALTIES)
         index = kernels.from_host(rows, device)
         penalized = logits[index]
-        penalized = torch.where(seen, torch.where(penalized > 0, penalized / repetition, penalized * repetition),
-                                penalized)
+        if any(params[row].repetition_penalty != 1 for row in rows):   # the prompt's tokens count only for it
+            seen = (output + counts([seq.prompt_token_ids for seq in picked])) > 0
+            penalized = torch.where(seen, torch.where(penalized > 0, penalized / repetition, penalized * repetition),
+                                    penalized)
         penalized = penalized - frequency * output - presence * (output > 0)
         return logits.index_copy(0, index, penalized)
 

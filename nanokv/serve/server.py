@@ -181,13 +181,13 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None,
     async def http_error(request: Request, error: HTTPException) -> Response:   # 404, 405
         return JSONResponse(APIError(error.status_code, error.detail).body(), status_code=error.status_code)
 
-    cors = [Middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])]
     app = Starlette(routes=[
         Route("/health", health), Route("/v1/models", models), Route("/v1/models/{model_id:path}", model),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ], exception_handlers={APIError: api_error, HTTPException: http_error}, lifespan=lifespan,
-        middleware=cors if allowed_origins else None)
+        middleware=[Middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])]
+        if allowed_origins else None)
     app.state.engine = engine
     return app
 
