@@ -2,6 +2,6 @@
 from nanokv.engine.sequence import TokenLogprob
 from nanokv.llm import LLM
 from nanokv.outputs import EngineStats, RequestOutput
-from nanokv.sampling_params import SamplingParams
+from nanokv.sampling_params import SamplingParams, StructuredOutput
 
-__all__ = ["LLM", "EngineStats", "RequestOutput", "SamplingParams", "TokenLogprob"]
+__all__ = ["LLM", "EngineStats", "RequestOutput", "SamplingParams", "StructuredOutput", "TokenLogprob"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from itertools import count
 
 import torch
+from llguidance import LLMatcher
 from tqdm import tqdm
 
 import kernels
@@ -25,6 +26,7 @@ from models.tensor_parallel import Shard
 from nanokv.checks import check_token_ids
 from nanokv.config import KV_CACHE_DTYPES, EngineConfig, resolve_dtype
 from nanokv.engine.block_manager import BlockManager
+from nanokv.engine.grammar import Grammars
 from nanokv.engine.offload_costs import SwapCost
 from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
@@ -109,6 +111,7 @@ class LLM:
             eos_token_ids.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(self.config, self.blocks, eos_token_ids, swap_cost,
                                    self.runner.staging_pages.shape[1])
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, eos_token_ids)
         self.requests: dict[int, _Request] = {}
         self._ids = count()
         self._timings: Timings | None = None   # inside timing()
@@ -147,9 +150,10 @@ class LLM:
         """Queue a request; returns its id. A bad request raises and changes nothing."""
         return self._queue(prompt, self._prompt_ids(prompt), params)
 
-    def _method(self, params: SamplingParams) -> KVMethod:
-        """The request's eviction method, its unset settings taken from the engine's.
-        Checks params again first: a dataclass can be changed after it was built."""
+    def _checked(self, params: SamplingParams) -> tuple[KVMethod, LLMatcher | None]:
+        """The request's eviction method, its unset settings taken from the engine's, and its
+        structured output's matcher. Checks params again first: a dataclass can be changed
+        after it was built."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
         params.check()
@@ -159,7 +163,7 @@ class LLM:
         if params.return_kept_positions and method.name == "full":
             raise ValueError("return_kept_positions needs an evicting kv_method (any but full); "
                              "with full every position is kept")
-        return method
+        return method, params.structured_output and self.grammars.matcher(params.structured_output)
 
     def close(self) -> None:
         """End the tensor-parallel workers and leave their process group (nothing to do on one
@@ -170,13 +174,13 @@ class LLM:
 
     def _queue(self, prompt: Prompt, ids: list[int], params: SamplingParams | None) -> int:
         params = params or SamplingParams()
-        method = self._method(params)
+        method, grammar = self._checked(params)
         request_id = next(self._ids)
         generator = None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
         seq = Sequence(request_id, ids, params, method=method, generator=generator,
                        max_slots=min(len(ids) + params.max_tokens, self.config.max_model_len) - 1,
                        prompt_logprobs=[None] * len(ids) if params.prompt_logprobs else None,
-                       logprobs=[] if params.logprobs is not None else None)
+                       logprobs=[] if params.logprobs is not None else None, grammar=grammar)
         self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
                                              self.tokenizer and IncrementalDetokenizer(self.tokenizer, ids))
         self.scheduler.add(seq)
@@ -272,10 +276,10 @@ class LLM:
         """Whether the next step may be scheduled before these tokens are read: not with
         overlap_steps off; not with tensor-parallel workers (each is sent the tokens it feeds);
         nor where a request must not run past its last token: a row that failed, logprobs
-        (recorded as sampled), kept positions (read when it ends); nor for penalties (they
-        count every token so far)."""
+        (recorded as sampled), kept positions (read when it ends); nor for penalties and grammars
+        (they read every token so far)."""
         return self.config.overlap_steps and self.workers is None and not sampled.errors and not any(
-            seq.logprobs is not None or seq.params.return_kept_positions or seq.params.penalizes
+            seq.logprobs is not None or seq.params.return_kept_positions or seq.params.reads_output
             for seq in sampled.seqs)
 
     def _read(self, sampled: SampledTokens, every_token: bool, clock: StepClock) -> list[RequestOutput]:
@@ -372,7 +376,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
         for sp in params:   # check everything before queueing anything
-            self._method(sp or SamplingParams())
+            self._checked(sp or SamplingParams())
         token_ids = [self._prompt_ids(p) for p in prompts]
         ids = [self._queue(p, t, sp) for p, t, sp in zip(prompts, token_ids, params)]
         pending, results = set(ids), {}

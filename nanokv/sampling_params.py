@@ -10,6 +10,30 @@ MAX_LOGPROBS = 20   # the most alternatives a token's log-probability comes with
 MAX_LOGIT_BIAS = 300   # tokens a request may bias, as OpenAI allows, each by at most 100 either way
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match, exactly one of: a JSON schema (a dict or its text),
+    any JSON object, a regular expression, or a Lark grammar (llguidance's dialect). Sampling
+    only ever picks tokens that keep the output a prefix of a match, and the request ends
+    when the match is complete (or at max_tokens, then unfinished)."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        check_bool("json_object", self.json_object)
+        for name in ("regex", "grammar"):
+            if not isinstance(getattr(self, name), (str, type(None))):
+                raise TypeError(f"structured_output.{name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.json, (dict, str, type(None))):
+            raise TypeError(f"structured_output.json must be a JSON schema (an object or its text), got {self.json!r}")
+        given = [name for name in ("json", "json_object", "regex", "grammar") if getattr(self, name)]
+        if len(given) != 1:
+            raise ValueError(f"structured_output takes exactly one of json, json_object, regex and grammar, "
+                             f"got {', '.join(given) or 'none'}")
+
+
 @dataclass
 class SamplingParams(EvictionSettings):
     """How one request samples, and its KV-cache method (the eviction settings, keyword
@@ -30,14 +54,21 @@ class SamplingParams(EvictionSettings):
     return_kept_positions: bool = False  # output: positions each (layer, KV head) kept at the end
     logprobs: int | None = None         # output: each output token's log-probability, and the k most likely
     prompt_logprobs: bool = False       # output: every prompt token's (with logprobs=k, its k most likely too)
+    structured_output: StructuredOutput | None = None   # what the output must match (a dict: its fields)
 
     def __post_init__(self):
         self.check()
 
     @property
     def penalizes(self) -> bool:
-        """Whether sampling reads the tokens so far (a step is then read before the next runs)."""
+        """Whether sampling counts the tokens so far."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether sampling reads the output so far (penalties, a structured output's grammar):
+        a step is then read before the next one is scheduled."""
+        return self.penalizes or self.structured_output is not None
 
     def check(self) -> None:
         """Raise a TypeError or ValueError naming the first bad field. Run at construction
@@ -69,3 +100,11 @@ class SamplingParams(EvictionSettings):
         check_bool("return_kept_positions", self.return_kept_positions)
         check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, optional=True)
         check_bool("prompt_logprobs", self.prompt_logprobs)
+        if isinstance(self.structured_output, dict):   # as JSON gives it
+            try:
+                self.structured_output = StructuredOutput(**self.structured_output)
+            except TypeError as error:
+                raise TypeError(f"structured_output: {error} (its fields are json, json_object, regex and grammar)")\
+                    from None
+        if not isinstance(self.structured_output, (StructuredOutput, type(None))):
+            raise TypeError(f"structured_output must be a StructuredOutput or None, got {self.structured_output!r}")

@@ -62,11 +62,22 @@ class Tokenizer:
         """Token ids of `text`; `add_special_tokens` lets the tokenizer add e.g. a BOS, if its config says so."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (what other libraries build theirs from)."""
+        return self._backend.to_str()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template."""
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders tools (it reads the `tools` variable)."""
+        return "tools" in (self.chat_template or "")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template;
+        tools: OpenAI's function tools, for a template that renders them."""
         if self.chat_template is None:
             raise ValueError(
                 f"{self.name} has no chat template (none in tokenizer_config.json or chat_template.jinja); "
@@ -76,7 +87,7 @@ class Tokenizer:
         # tools and documents are None, as transformers passes them when there are none.
         return self._compiled_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token, eos_token=self.eos_token, tools=None, documents=None)
+            bos_token=self.bos_token, eos_token=self.eos_token, tools=tools or None, documents=None)
 
 
 class IncrementalDetokenizer:

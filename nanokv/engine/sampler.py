@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 import kernels
+from nanokv.engine.grammar import apply_masks, fill_masks
 from nanokv.engine.sequence import Sequence, TokenLogprob
 from nanokv.sampling_params import SamplingParams
 
@@ -57,8 +58,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None], seqs: list[Sequence] | None = None) -> torch.Tensor:
-        """seqs: the rows' sequences, whose tokens so far the penalties count (all of them known:
-        a step of a request with penalties is read before the next one is scheduled)."""
+        """seqs: the rows' sequences, whose tokens so far the penalties count and the grammars
+        have read (all of them known: a step of a request that reads its output is read
+        before the next one is scheduled)."""
         self.errors = {}
         states = {row: gen.get_state() for row, gen in enumerate(generators) if gen is not None}   # before this call
         try:
@@ -82,6 +84,10 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None], seqs: list[Sequence] | None) -> torch.Tensor:
+        constrained = [row for row, seq in enumerate(seqs or ()) if seq.grammar is not None]
+        if constrained:   # the masks are filled here, on the host, while the device runs the forward
+            masks = fill_masks([seqs[row].grammar for row in constrained], logits.shape[-1])
+            logits = apply_masks(logits, constrained, masks)
         logits = self._penalize(logits, params, seqs)
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,6 +11,9 @@ import kernels
 from nanokv.engine.block_table import BlockTable
 from nanokv.eviction import KVMethod
 from nanokv.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 @dataclass
@@ -108,6 +112,7 @@ class Sequence:
     swapped: Swap | None = None        # preempted to the host tier: where its blocks are
     offloaded: list[int] = field(default_factory=list)   # decoding from the host: the host blocks of its first blocks
     num_kept_inputs: int = 0           # its first positions whose layer inputs the host tier keeps (KVPR)
+    grammar: LLMatcher | None = None   # a structured output's matcher, at the end of the output read so far
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self):

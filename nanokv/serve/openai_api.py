@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import jinja2
 
-from nanokv.sampling_params import MAX_LOGPROBS, SamplingParams
+from nanokv.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
+from nanokv.serve.tools import ToolError, Tools, parse_tools, template_messages
 from nanokv.tokenizer import Tokenizer
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -19,21 +20,21 @@ ROLES = ("system", "developer", "user", "assistant", "tool")   # the chat roles 
 
 # Fields of the OpenAI API nanokv does not implement, accepted only at a value that asks
 # for nothing (None always is one); anything else is a 400 that names the field.
-NEUTRAL_VALUES = {
-    "best_of": (1,), "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none",), "response_format": ({"type": "text"},),
-}
+NEUTRAL_VALUES = {"best_of": (1,), "suffix": ("",)}
 # OpenAI's fields of the same name in SamplingParams
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "logit_bias", "presence_penalty",
                    "frequency_penalty")
-COMMON_FIELDS = {"model", "stream", "stream_options", "user", "n", *SAMPLING_FIELDS, *NEUTRAL_VALUES}
+COMMON_FIELDS = {"model", "stream", "stream_options", "user", "n", "response_format", *SAMPLING_FIELDS,
+                 *NEUTRAL_VALUES}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "logprobs"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "parallel_tool_calls", "logprobs", "top_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+                               "logprobs", "top_logprobs"}
 # SamplingParams fields a client does not pass by name: the API has no place for their output
 # (kept positions), or its own fields set them (logprobs, top_logprobs and echo).
 NOT_BY_NAME = {"return_kept_positions", "prompt_logprobs", "logprobs"}
 # Every other SamplingParams field is a nanokv extension, passed through by name (top_k,
-# ignore_eos, stop_token_ids, kv_method, kv_budget, evict_every, and whatever is added).
+# ignore_eos, stop_token_ids, kv_method, kv_budget, evict_every, structured_output (its
+# fields: json, json_object, regex, grammar), and whatever is added).
 EXTENSIONS = {f.name for f in dataclasses.fields(SamplingParams)} - set(SAMPLING_FIELDS) - NOT_BY_NAME
 
 
@@ -80,6 +81,7 @@ class ParsedRequest:
     logprobs: int | None = None  # each token's log-probability, with this many alternatives
     echo: bool = False          # completions: the prompt comes first in the text (and the logprobs)
     prompt_only: bool = False   # echo with max_tokens 0: the one token the engine ran is not shown
+    tools: Tools | None = None  # chat: the tools the model may call (their calls are read from its text)
 
 
 def parse(body, chat: bool, tokenizer: Tokenizer | None, max_model_len: int) -> ParsedRequest:
@@ -87,8 +89,13 @@ def parse(body, chat: bool, tokenizer: Tokenizer | None, max_model_len: int) -> 
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     _check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    tools = None
     if chat:
-        prompts = [_chat_prompt(body.get("messages"), tokenizer)]
+        try:
+            tools = parse_tools(body)
+        except ToolError as error:
+            raise bad_request(str(error), error.param) from None
+        prompts = [_chat_prompt(body.get("messages"), tokenizer, tools)]
     else:
         prompts = _completion_prompts(body.get("prompt"), tokenizer)
     longest = max(map(len, prompts))
@@ -106,6 +113,9 @@ def parse(body, chat: bool, tokenizer: Tokenizer | None, max_model_len: int) -> 
     if not isinstance(echo, bool):
         raise bad_request(f"echo must be true or false, got {echo!r}", "echo")
     prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+    structured = _structured_output(body, tools)
+    if structured is not None:
+        body = {**body, "structured_output": structured}
     params = _sampling_params({**body, "max_tokens": 1} if prompt_only else body, chat, max_model_len, longest,
                               logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
     stream, options = body.get("stream") or False, body.get("stream_options") or {}
@@ -117,7 +127,34 @@ def parse(body, chat: bool, tokenizer: Tokenizer | None, max_model_len: int) -> 
         raise bad_request("stream_options.continuous_usage_stats is not supported: include_usage sends the usage "
                           "in a last chunk", "stream_options")
     requests = [(ids, _choice(params, j, n)) for ids in prompts for j in range(n)]
-    return ParsedRequest(requests, n, stream, bool(options.get("include_usage")), logprobs, echo, prompt_only)
+    return ParsedRequest(requests, n, stream, bool(options.get("include_usage")), logprobs, echo, prompt_only, tools)
+
+
+def _structured_output(body: dict, tools: Tools | None) -> StructuredOutput | None:
+    """What the output must match: response_format's JSON (json_object: any object;
+    json_schema: its schema, strict or not), or a forced tool call's; at most one of those
+    and the structured_output extension."""
+    value, found = body.get("response_format"), {}
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is not None and kind not in ("text", "json_object", "json_schema"):
+        raise bad_request(f'response_format must be {{"type": "text"}}, {{"type": "json_object"}} or '
+                          f'{{"type": "json_schema", "json_schema": {{"name": ..., "schema": {{...}}}}}}, got {value!r}',
+                          "response_format")
+    if kind == "json_object":
+        found["response_format"] = StructuredOutput(json_object=True)
+    elif kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise bad_request(f"response_format.json_schema must be an object with a schema object, got {spec!r}",
+                              "response_format")
+        found["response_format"] = StructuredOutput(json=spec.get("schema") or {"type": "object"})
+    if tools is not None and tools.structured_output() is not None:
+        found["tool_choice"] = tools.structured_output()
+    if body.get("structured_output") is not None:
+        found["structured_output"] = body["structured_output"]
+    if len(found) > 1:
+        raise bad_request(f"{' and '.join(found)} both constrain the output: give one", list(found)[-1])
+    return next(iter(found.values()), None)
 
 
 def _asked_logprobs(body: dict, chat: bool) -> int | None:
@@ -177,22 +214,26 @@ def _completion_prompt(prompt, where: str, tokenizer: Tokenizer | None) -> list[
     raise bad_request(f"{where} must be a non-empty string or list of token ids", "prompt")
 
 
-def _chat_prompt(messages, tokenizer: Tokenizer | None) -> list[int]:
-    """The templated conversation as token ids, built as chat.py builds it."""
+def _chat_prompt(messages, tokenizer: Tokenizer | None, tools: Tools | None) -> list[int]:
+    """The templated conversation as token ids, built as chat.py builds it, with the tools and
+    the calls in it rendered as tools.py says."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
     plain = [_plain_message(m, i) for i, m in enumerate(messages)]
     if tokenizer is None:
         raise bad_request("this model has no tokenizer, so no chat template: use /v1/completions", "messages")
+    offered = tools and tools.tools
     try:
-        text = tokenizer.apply_chat_template(plain)
+        text = tokenizer.apply_chat_template(template_messages(plain, offered, tokenizer.renders_tools),
+                                             tools=offered if tokenizer.renders_tools else None)
     except (ValueError, jinja2.TemplateError) as error:   # no template, or the template refused them
         raise bad_request(f"the chat template failed on these messages: {error}", "messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _plain_message(message, index: int) -> dict:
-    """A message with its content as one string (text parts joined)."""
+    """A message with its content as one string (text parts joined), and an assistant's
+    tool_calls or a tool result's tool_call_id."""
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise bad_request(f"{where} must be an object with a string role", "messages")
@@ -209,7 +250,18 @@ def _plain_message(message, index: int) -> dict:
         content = ""
     if not isinstance(content, str):
         raise bad_request(f"{where}.content must be a string or a list of text parts", "messages")
-    return {"role": message["role"], "content": content}
+    plain = {"role": message["role"], "content": content}
+    calls = message.get("tool_calls")
+    if calls and message["role"] == "assistant":
+        if not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                and isinstance(c["function"].get("arguments"), str) for c in calls):
+            raise bad_request(f'{where}.tool_calls must be a list of {{"id": ..., "type": "function", "function": '
+                              f'{{"name": ..., "arguments": "<JSON>"}}}}', "messages")
+        plain["tool_calls"] = calls
+    if message["role"] == "tool" and message.get("tool_call_id") is not None:
+        plain["tool_call_id"] = message["tool_call_id"]
+    return plain
 
 
 def _sampling_params(body: dict, chat: bool, max_model_len: int, prompt: int, **outputs) -> SamplingParams:

@@ -1,5 +1,6 @@
 """The OpenAI API's responses: the engine's RequestOutputs of one request become its JSON,
-whole or as stream chunks, with the log-probabilities in each endpoint's shape."""
+whole or as stream chunks, with the log-probabilities in each endpoint's shape and a chat
+choice's tool calls (read from its text, tools.py)."""
 from __future__ import annotations
 
 import time
@@ -50,6 +51,10 @@ class Responder:
             choice = {"index": index, "logprobs": self._logprobs(index, shown), "finish_reason": self._reason(out)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": shown.text}
+                calls = self.parsed.tools and self.parsed.tools.read(shown.text)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": calls[0] or None, "tool_calls": calls[1]}
+                    choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = shown.text
             choices.append(choice)
@@ -60,14 +65,24 @@ class Responder:
         return self._chunk(index, {"role": "assistant", "content": ""}, None, None)
 
     def chunk(self, index: int, out: RequestOutput) -> dict | None:
-        """The chunk of what choice index shows now and has not sent; None when nothing is new."""
-        shown, sent = self._shown(index, out), self.sent[index]
-        text, new_tokens = shown.text[sent.text:], len(shown.token_ids) > sent.tokens
+        """The chunk of what choice index shows now and has not sent; None when nothing is new.
+        With tools, text that may be a tool call is held back until the choice ends: then
+        its calls come whole, in one chunk."""
+        shown, sent, tools = self._shown(index, out), self.sent[index], self.parsed.tools
+        reason, calls = self._reason(out) if out.finished else None, None
+        upto = len(shown.text)
+        if tools is not None and self.chat:
+            calls = tools.read(shown.text) if out.finished else None
+            upto = len(calls[0]) if calls else upto if out.finished else tools.undecided(shown.text)
+        text, new_tokens = shown.text[sent.text:upto], len(shown.token_ids) > sent.tokens
         if not (text or out.finished or (new_tokens and self.parsed.logprobs is not None)):
             return None
-        sent.text = len(shown.text)
+        sent.text = max(sent.text, upto)
         content = ({"content": text} if text else {}) if self.chat else text
-        return self._chunk(index, content, self._logprobs(index, shown), self._reason(out) if out.finished else None)
+        if calls:
+            content["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls[1])]
+            reason = "tool_calls"
+        return self._chunk(index, content, self._logprobs(index, shown), reason)
 
     def usage_chunk(self, outs: list[RequestOutput]) -> dict:
         return self._envelope(self.chunk_kind, [], usage=self.usage(outs))

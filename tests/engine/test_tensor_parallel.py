@@ -4,6 +4,7 @@ all-reduces' summation order cannot flip a token. Each engine costs a few second
 (a spawned process per rank), so each test runs several requests and methods through one."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -18,7 +19,8 @@ import torch
 import nanokv.engine.runner
 from helpers import FAMILIES, VOCAB, make_tiny_model, preemption_params as params, preemption_prompts as prompts
 from models.tensor_parallel import Shard
-from nanokv import LLM, SamplingParams
+from nanokv import LLM, SamplingParams, StructuredOutput
+
 
 EVICTING = ["batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "ed"]   # kvcompress: apart
 
@@ -61,6 +63,9 @@ def test_two_ranks_give_one_rank_s_tokens_and_kept_positions(tiny_dir, split):
         assert_same(run(two, method), run(one, method))
     assert two.stats().preemptions == one.stats().preemptions > 0
     assert_same(run(two, "kvcompress"), run(one, "kvcompress"))
+    constrained = [dataclasses.replace(p, structured_output=StructuredOutput(regex=r"[a-z ]{30,44}"))
+                   for p in params("batchmax")]   # rank 0's matchers; the workers never see them
+    assert_same(two.generate(prompts(), constrained), one.generate(prompts(), constrained))
 
 
 def test_kvcompress_keeps_more_blocks_where_one_rank_s_heads_keep_more(tiny_dir, split):
@@ -245,6 +250,7 @@ def test_torchrun_starts_the_ranks_instead(tiny_dir, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import json
         from nanokv import LLM, SamplingParams
+
         llm = LLM({str(tiny_dir)!r}, dtype="float64", max_model_len=112, num_threads=1, tensor_parallel_size=2)
         outs = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(**{greedy!r}))
         print(json.dumps([out.token_ids for out in outs]))
