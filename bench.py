@@ -78,7 +78,8 @@ MODE_FLAGS = {
     "workload": {*MODEL, *ENGINE_FLAGS, *METHODS, "num_requests", "out"},
     "prefix": {*MODEL, *ENGINE_FLAGS, "input_len", "output_len", "num_requests", "suffix_len", "turns", "out"},
     "host": {"random_weights", "dtype", "kv_cache_dtype", "block_size", "enforce_eager", "num_threads",
-             "tensor_parallel_size", "methods", "budgets", "evict_every", "input_len", "output_len", "batches", "out"},
+             "tensor_parallel_size", "methods", "budgets", "evict_every", "input_len", "output_len", "batches", "out",
+             "constrained"},
     "offload": {*MODEL, *(set(ENGINE_FLAGS) - {"kv_cache_gb"}), *METHODS, "num_requests", "output_len", "out"},
     "hf": {"model", "num_threads", "input_len", "output_len", "batch", "chat_lens", "chat_tokens"},
     "gpu-report": {"report", "commit"},
@@ -111,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "largest static batch; 0: no continuous run); workload: requests (default 256)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="sweep, host: batch sizes")
     p.add_argument("--input-lens", type=int, nargs="+", help="sweep: input lengths (default --input-len)")
+    p.add_argument("--constrained", type=float, nargs="+", metavar="FRACTION",
+                   help="host: instead of the methods, the bundled model at each batch with these fractions of it "
+                        "under a JSON schema (e.g. 0 0.5 1): what the token masks cost")
     p.add_argument("--batch", type=int, default=8, help="hf: batch size (0: no batch table)")
     p.add_argument("--chat-lens", type=int, nargs="*", default=[100, 1000, 4000],
                    help="hf: prompt lengths of the batch-1 table (none: no table)")

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from itertools import count
 
 import torch
-from llguidance import LLMatcher
 from tqdm import tqdm
 
 import kernels
@@ -26,7 +25,7 @@ from models.tensor_parallel import Shard
 from nanokv.checks import check_token_ids
 from nanokv.config import KV_CACHE_DTYPES, EngineConfig, resolve_dtype
 from nanokv.engine.block_manager import BlockManager
-from nanokv.engine.grammar import Grammars
+from nanokv.engine.grammar import Grammar, Grammars
 from nanokv.engine.offload_costs import SwapCost
 from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
@@ -111,7 +110,7 @@ class LLM:
             eos_token_ids.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(self.config, self.blocks, eos_token_ids, swap_cost,
                                    self.runner.staging_pages.shape[1])
-        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, eos_token_ids)
+        self.grammars = Grammars(self.tokenizer and self.tokenizer.to_json, self.model_config.vocab_size, eos_token_ids)
         self.requests: dict[int, _Request] = {}
         self._ids = count()
         self._timings: Timings | None = None   # inside timing()
@@ -150,7 +149,7 @@ class LLM:
         """Queue a request; returns its id. A bad request raises and changes nothing."""
         return self._queue(prompt, self._prompt_ids(prompt), params)
 
-    def _checked(self, params: SamplingParams) -> tuple[KVMethod, LLMatcher | None]:
+    def _checked(self, params: SamplingParams) -> tuple[KVMethod, Grammar | None]:
         """The request's eviction method, its unset settings taken from the engine's, and its
         structured output's matcher. Checks params again first: a dataclass can be changed
         after it was built."""
@@ -163,7 +162,7 @@ class LLM:
         if params.return_kept_positions and method.name == "full":
             raise ValueError("return_kept_positions needs an evicting kv_method (any but full); "
                              "with full every position is kept")
-        return method, params.structured_output and self.grammars.matcher(params.structured_output)
+        return method, params.structured_output and self.grammars.grammar(params.structured_output)
 
     def close(self) -> None:
         """End the tensor-parallel workers and leave their process group (nothing to do on one
@@ -276,10 +275,10 @@ class LLM:
         """Whether the next step may be scheduled before these tokens are read: not with
         overlap_steps off; not with tensor-parallel workers (each is sent the tokens it feeds);
         nor where a request must not run past its last token: a row that failed, logprobs
-        (recorded as sampled), kept positions (read when it ends); nor for penalties and grammars
-        (they read every token so far)."""
+        (recorded as sampled), kept positions (read when it ends); nor for penalties (they count
+        every token so far). A grammar reads the token the step before sampled itself (Sampler)."""
         return self.config.overlap_steps and self.workers is None and not sampled.errors and not any(
-            seq.logprobs is not None or seq.params.return_kept_positions or seq.params.reads_output
+            seq.logprobs is not None or seq.params.return_kept_positions or seq.params.penalizes
             for seq in sampled.seqs)
 
     def _read(self, sampled: SampledTokens, every_token: bool, clock: StepClock) -> list[RequestOutput]:

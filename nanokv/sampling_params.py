@@ -61,14 +61,8 @@ class SamplingParams(EvictionSettings):
 
     @property
     def penalizes(self) -> bool:
-        """Whether sampling counts the tokens so far."""
+        """Whether sampling reads the tokens so far (a step is then read before the next runs)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
-
-    @property
-    def reads_output(self) -> bool:
-        """Whether sampling reads the output so far (penalties, a structured output's grammar):
-        a step is then read before the next one is scheduled."""
-        return self.penalizes or self.structured_output is not None
 
     def check(self) -> None:
         """Raise a TypeError or ValueError naming the first bad field. Run at construction

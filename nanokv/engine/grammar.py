@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 
 import llguidance
 import llguidance.torch
@@ -12,7 +13,6 @@ import torch
 
 import kernels
 from nanokv.sampling_params import StructuredOutput
-from nanokv.tokenizer import Tokenizer
 
 # JSON as OpenAI's models write it: ", " and ": " between items, no other whitespace (a
 # model that may add whitespace anywhere can loop on it until max_tokens). A schema's own
@@ -21,21 +21,39 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 BITS = 32   # tokens per word of a mask
 
 
+class Grammar:
+    """A request's matcher, and how many of its output tokens it has taken: each token is
+    taken once, in order, by whichever comes first of the step that records it and the
+    sampler of the next step (which needs it before the token is recorded, under overlap)."""
+    __slots__ = ("matcher", "num_taken")
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self.matcher, self.num_taken = matcher, 0
+
+    def take(self, token: int, index: int) -> bool:
+        """Output token index is token; whether the match is now complete (nothing can follow)."""
+        if index == self.num_taken:
+            self.matcher.consume_token(token)   # a token it refuses leaves it in error: the next mask says so
+            self.num_taken += 1
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+
 class Grammars:
     """Compiles StructuredOutputs for one tokenizer and vocabulary (the logits' width); the
     tokenizer's llguidance form is built at the first one (it takes a while: ~0.35 s for a
-    49k-token vocabulary)."""
+    49k-token vocabulary). tokenizer_json: the tokenizer's tokenizer.json text (None: the
+    model has no tokenizer)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: set[int]):
-        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, sorted(eos_token_ids)
+    def __init__(self, tokenizer_json: Callable[[], str] | None, vocab_size: int, eos_token_ids: set[int]):
+        self.tokenizer_json, self.vocab_size, self.eos_token_ids = tokenizer_json, vocab_size, sorted(eos_token_ids)
         self._compiled_tokenizer = None
 
-    def matcher(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+    def grammar(self, spec: StructuredOutput) -> Grammar:
         """A matcher at the start of spec's language; ValueError naming what is wrong with it."""
-        if self.tokenizer is None:
+        if self.tokenizer_json is None:
             raise ValueError("structured_output needs the model's tokenizer (this model has none)")
         if self._compiled_tokenizer is None:
-            self._compiled_tokenizer = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab_size,
+            self._compiled_tokenizer = llguidance.LLTokenizer(self.tokenizer_json(), n_vocab=self.vocab_size,
                                                               eos_token=self.eos_token_ids)
         if spec.json_object or spec.json:
             schema = {"type": "object"} if spec.json_object else spec.json
@@ -53,7 +71,7 @@ class Grammars:
         if matcher.is_error():
             kind = next(name for name in ("json", "json_object", "regex", "grammar") if getattr(spec, name))
             raise ValueError(f"structured_output.{kind} does not compile: {matcher.get_error()}")
-        return matcher
+        return Grammar(matcher)
 
 
 
@@ -62,9 +80,10 @@ def _executor() -> llguidance.LLExecutor:
     return llguidance.LLExecutor()   # its threads fill many masks at once
 
 
-def fill_masks(matchers: list[llguidance.LLMatcher], vocab_size: int) -> torch.Tensor:
-    """[R, words] int32 on the host: bit t % 32 of word t // 32 of row r is set if matchers[r]
+def fill_masks(grammars: list[Grammar], vocab_size: int) -> torch.Tensor:
+    """[R, words] int32 on the host: bit t % 32 of word t // 32 of row r is set if grammars[r]
     allows token t next. A matcher that has left its grammar raises (its row fails)."""
+    matchers = [grammar.matcher for grammar in grammars]
     for matcher in matchers:
         if matcher.is_error():
             raise ValueError(f"the output left its structured_output grammar: {matcher.get_error()}")

@@ -358,7 +358,8 @@ class ModelRunner:
             self._record_prompt_logprobs(hidden, step)
             seqs, tokens = step.sampled_seqs, None
             if logits is not None:
-                tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs)
+                tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs,
+                                      self.last_sampled)
                 if any(seq.logprobs is not None for seq in seqs):
                     record_logprobs(logits, tokens.tolist(), seqs)
             self.last_sampled = SampledTokens(seqs, tokens, dict(self.sampler.errors) if tokens is not None else {})

@@ -57,16 +57,28 @@ class Sampler:
         self.errors: dict[int, Exception] = {}   # row -> why it got FAILED, in row order
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None], seqs: list[Sequence] | None = None) -> torch.Tensor:
-        """seqs: the rows' sequences, whose tokens so far the penalties count and the grammars
-        have read (all of them known: a step of a request that reads its output is read
-        before the next one is scheduled)."""
+                 generators: list[torch.Generator | None], seqs: list[Sequence] | None = None,
+                 pending: SampledTokens | None = None) -> torch.Tensor:
+        """seqs: the rows' sequences, whose tokens so far the penalties count (all of them known:
+        a step of a request with penalties is read before the next one is scheduled) and the
+        grammars read; pending: the step before, whose tokens the grammars take first where
+        they are not read yet (overlapped steps: it has finished or soon will)."""
         self.errors = {}
+        if pending is not None and seqs is not None:
+            self._catch_up(seqs, pending)
         states = {row: gen.get_state() for row, gen in enumerate(generators) if gen is not None}   # before this call
         try:
             return self._sample(logits, params, generators, seqs)
         except Exception:
             return self._sample_rows_alone(logits, params, generators, seqs, states)
+
+    @staticmethod
+    def _catch_up(seqs: list[Sequence], pending: SampledTokens) -> None:
+        behind = [seq for seq in seqs if seq.grammar is not None and seq.num_pending]
+        if behind:
+            rows, tokens = {id(seq): row for row, seq in enumerate(pending.seqs)}, pending.read()
+            for seq in behind:
+                seq.grammar.take(tokens[rows[id(seq)]], len(seq.output_token_ids))
 
     def _sample_rows_alone(self, logits: torch.Tensor, params: list[SamplingParams],
                            generators: list[torch.Generator | None], seqs: list[Sequence] | None,

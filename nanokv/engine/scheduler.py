@@ -327,7 +327,7 @@ class Scheduler:
                 self._enter_full_blocks(seq, seq.num_computed_tokens)
             p, grammar = seq.params, seq.grammar
             if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids \
-                    or (grammar is not None and grammar.consume_token(token) and grammar.is_stopped()):
+                    or (grammar is not None and grammar.take(token, len(outputs) - 1)):
                 done.append((seq, "stop"))   # (a grammar that takes no more: its match is complete)
             elif seq.num_prompt_tokens + len(outputs) > seq.max_slots:   # max_tokens or max_model_len reached
                 done.append((seq, "length"))

@@ -13,7 +13,7 @@ from nanokv.eviction import KVMethod
 from nanokv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from llguidance import LLMatcher
+    from nanokv.engine.grammar import Grammar
 
 
 @dataclass
@@ -112,7 +112,7 @@ class Sequence:
     swapped: Swap | None = None        # preempted to the host tier: where its blocks are
     offloaded: list[int] = field(default_factory=list)   # decoding from the host: the host blocks of its first blocks
     num_kept_inputs: int = 0           # its first positions whose layer inputs the host tier keeps (KVPR)
-    grammar: LLMatcher | None = None   # a structured output's matcher, at the end of the output read so far
+    grammar: Grammar | None = None     # a structured output's matcher
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self):

@@ -137,8 +137,8 @@ def _structured_output(body: dict, tools: Tools | None) -> StructuredOutput | No
     value, found = body.get("response_format"), {}
     kind = value.get("type") if isinstance(value, dict) else None
     if value is not None and kind not in ("text", "json_object", "json_schema"):
-        raise bad_request(f'response_format must be {{"type": "text"}}, {{"type": "json_object"}} or '
-                          f'{{"type": "json_schema", "json_schema": {{"name": ..., "schema": {{...}}}}}}, got {value!r}',
+        raise bad_request(f'response_format must be {{"type": "text"}}, {{"type": "json_object"}} or {{"type": '
+                          f'"json_schema", "json_schema": {{"name": ..., "schema": {{...}}}}}}, got {value!r}',
                           "response_format")
     if kind == "json_object":
         found["response_format"] = StructuredOutput(json_object=True)
@@ -254,8 +254,9 @@ def _plain_message(message, index: int) -> dict:
     calls = message.get("tool_calls")
     if calls and message["role"] == "assistant":
         if not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
-                and isinstance(c["function"].get("arguments"), str) for c in calls):
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments"), str)
+                for c in calls):
             raise bad_request(f'{where}.tool_calls must be a list of {{"id": ..., "type": "function", "function": '
                               f'{{"name": ..., "arguments": "<JSON>"}}}}', "messages")
         plain["tool_calls"] = calls

@@ -11,15 +11,21 @@ sequence (the slope up to the largest batch, from one an eighth of it: 64 to 512
 step of the whole run untimed, what a device would wait for: the wall time less the forward
 passes', through generate() with overlap_steps off (serial) and on (overlap), and through
 step() as the server streams (step()).
+
+With --constrained FRACTION..., the bundled model instead (structured output needs a
+tokenizer), a fraction of each batch under a JSON schema whose output outlasts
+--output-len: the sample phase per decode step (the fastest of 3 runs), and what the masks
+add per constrained request (against the same batch with none).
 """
 from __future__ import annotations
 
+import copy
 import random
 import time
 
 from tqdm import tqdm
 
-from nanokv import LLM, SamplingParams
+from nanokv import LLM, SamplingParams, StructuredOutput
 from nanokv.config import EngineConfig
 from nanokv.engine.timing import PHASES
 from nanokv.tools.flags import engine_options
@@ -27,6 +33,12 @@ from nanokv.tools.method_spec import parse_spec
 from nanokv.tools.throughput import run_context
 
 DEFAULT_SHAPE = "tiny"
+REPEATS = 3   # --constrained: each run's fastest
+# A list of records: it runs on for hundreds of tokens, its strings and numbers bounded.
+LONG_JSON = {"type": "object", "properties": {"records": {"type": "array", "minItems": 100, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                     "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "count"], "additionalProperties": False}}}, "required": ["records"]}
 COLUMNS = ("host", *[p for p in PHASES if p != "forward"], "forward", "serial", "overlap", "step()")
 
 
@@ -69,8 +81,52 @@ def host_run(llm: LLM, batch: int, method: str, args) -> dict:
                 **per_step, **exposed)
 
 
+def bench_constrained(args, save) -> list[dict]:
+    """Each batch x fraction constrained, on the bundled model: sample time per decode step
+    and the masks' cost per constrained request; prints one table, returns the records."""
+    rows = []
+    longest = args.input_len + args.output_len
+    llm = LLM(None, dtype="float32", num_kv_blocks=max(args.batches) * -(-longest // EngineConfig.block_size) + 64,
+              max_model_len=longest + 1, max_num_seqs=max(args.batches),
+              max_num_batched_tokens=max(args.batches) * args.input_len, **engine_options(args))
+    context = run_context(args, llm)
+    rng = random.Random(0)
+    plain = SamplingParams(temperature=1.0, seed=0, max_tokens=args.output_len, ignore_eos=True)
+    constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=args.output_len,
+                                 structured_output=StructuredOutput(json=LONG_JSON))
+    llm.generate([[1000] * args.input_len] * 4, [constrained] * 4)   # warm-up: the grammar's states built lazily
+    for batch in args.batches:
+        prompts = [[rng.randrange(1000, 20000) for _ in range(args.input_len)] for _ in range(batch)]
+        base = None
+        for fraction in args.constrained:
+            n = round(fraction * batch)
+            runs = []
+            for _ in range(REPEATS):
+                with llm.timing() as timings:
+                    outs = llm.generate(prompts, [constrained] * n + [plain] * (batch - n))
+                assert all(len(o.token_ids) == args.output_len for o in outs), "a constrained request ended early"
+                runs.append(copy.deepcopy(timings))
+            timings = min(runs, key=lambda t: t.decode["sample"])
+            sample = 1e3 * timings.decode["sample"] / timings.decode_steps
+            base = sample if n == 0 else base
+            extra = None if base is None or n == 0 else 1e3 * (sample - base) / n
+            rows.append(dict(context, mode="host", batch=batch, constrained=n, sample_ms=sample,
+                             host_ms=1e3 * timings.host_s("decode") / timings.decode_steps, mask_us_per_request=extra))
+            save(rows[-1])
+    print(f"\nstructured output: the bundled model, {rows[0]['device']}, batches of prompts of {args.input_len} "
+          f"tokens, {args.output_len} new tokens each, temperature 1; a fraction under a JSON schema")
+    print(f"{'batch':>6} {'constrained':>12} {'host ms/step':>13} {'sample ms/step':>15} {'mask us/request':>16}")
+    for r in rows:
+        extra = "" if r["mask_us_per_request"] is None else f"{r['mask_us_per_request']:.1f}"
+        print(f"{r['batch']:>6} {r['constrained']:>12} {r['host_ms']:>13.3f} {r['sample_ms']:>15.3f} {extra:>16}")
+    return rows
+
+
 def bench_host(args, save) -> list[dict]:
-    """Every method x caching x batch; prints one table and the slopes, returns the records."""
+    """Every method x caching x batch; prints one table and the slopes, returns the records
+    (with --constrained: bench_constrained)."""
+    if args.constrained:
+        return bench_constrained(args, save)
     rows = []
     shape = args.random_weights or DEFAULT_SHAPE
     longest = args.input_len + args.output_len

@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+import nanokv.engine.sampler as sampler_module
 from helpers import VOCAB, preemption_prompts
 from nanokv import LLM, SamplingParams
 from nanokv.engine.grammar import BITS, apply_masks
@@ -18,7 +19,8 @@ SCHEMA = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3},
     "ok": {"type": "boolean"}}, "required": ["word", "n", "tags", "ok"], "additionalProperties": False}
 SMALL = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
-                                         "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": False}
+                                         "ok": {"type": "boolean"}},
+         "required": ["n", "ok"], "additionalProperties": False}
 ANSWER = 'start: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[1-9][0-9]?/'
 
 
@@ -144,10 +146,46 @@ def test_a_failed_match_fails_its_request_alone(tiny_dir):
     llm = engine(tiny_dir, num_kv_blocks=160)
     bad = llm.add_request([1, 2, 3], SamplingParams(max_tokens=8, structured_output={"regex": "ab+"}))
     good = llm.add_request([4, 5, 6], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    llm.requests[bad].seq.grammar.consume_token(llm.tokenizer.encode("z")[0])   # not what "ab+" starts with
+    llm.requests[bad].seq.grammar.matcher.consume_token(llm.tokenizer.encode("z")[0])   # not what "ab+" starts with
     outs = {}
     while llm.has_unfinished():
         outs.update((out.request_id, out) for out in llm.step() if out.finished)
     assert outs[bad].finish_reason == "error" and "left its structured_output grammar" in outs[bad].error
     assert outs[good].finish_reason == "length" and len(outs[good].token_ids) == 8
     assert llm.blocks.num_free == llm.blocks.num_blocks
+
+
+def test_constrained_steps_overlap_the_grammar_taking_the_token_the_step_before_sampled(tiny_dir, monkeypatch):
+    """With overlap_steps, step n + 1's forward pass is launched before step n's tokens are
+    read: its sampler reads them (as the device finishes step n) for the grammars, and the
+    outputs are those of overlap off."""
+    specs = [StructuredOutput(regex=WORDS), StructuredOutput(json=SCHEMA), StructuredOutput(grammar=ANSWER)]
+    params = [SamplingParams(temperature=1, seed=i, max_tokens=100, structured_output=spec)
+              for i, spec in enumerate(specs * 2)]
+    prompts = [[7 + i, 8, 9] for i in range(len(params))]
+    expected = engine(tiny_dir, num_kv_blocks=160, overlap_steps=False).generate(prompts, params)
+    llm = engine(tiny_dir, num_kv_blocks=160)
+    events, run, forward = [], llm.runner.run, llm.runner.model.forward
+    read = sampler_module.SampledTokens.read
+
+    def launch(batch, clock=None):
+        sampled = run(batch, clock)
+        sampled.step = sum(kind == "forward" for kind, _ in events) - 1
+        return sampled
+
+    def forwarding(*args, **kwargs):
+        events.append(("forward", sum(kind == "forward" for kind, _ in events)))
+        return forward(*args, **kwargs)
+
+    def reading(sampled):
+        events.append(("read", sampled.step))
+        return read(sampled)
+    monkeypatch.setattr(llm.runner, "run", launch)
+    monkeypatch.setattr(llm.runner.model, "forward", forwarding)
+    monkeypatch.setattr(sampler_module.SampledTokens, "read", reading)
+    outs = llm.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in outs] == [(o.token_ids, o.finish_reason) for o in expected]
+    steps = sum(kind == "forward" for kind, _ in events)
+    assert steps > 20
+    for step in range(steps - 1):   # the step after had its forward launched before this one's tokens were read
+        assert events.index(("forward", step + 1)) < events.index(("read", step))

@@ -60,7 +60,8 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}
 NUMBER = {"type": "integer", "minimum": -1000, "maximum": 1000}   # a small model may repeat a digit forever
-ADD = {"type": "object", "properties": {"a": NUMBER, "b": NUMBER}, "required": ["a", "b"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": NUMBER, "b": NUMBER}, "required": ["a", "b"],
+       "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": WEATHER}},
          {"type": "function", "function": {"name": "add", "description": "Adds two numbers", "parameters": ADD}}]
@@ -194,9 +195,8 @@ def test_a_bad_tools_field_is_a_400_naming_it(client):
 # ----- rendering and reading, without the server ------------------------------------------------
 
 HISTORY = [{"role": "user", "content": "Weather in Paris?"},
-           {"role": "assistant", "content": None, "tool_calls": [
-               {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                                 "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+           {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+               "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
            {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees"}]
 HERMES = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
           "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
