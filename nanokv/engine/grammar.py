@@ -49,7 +49,7 @@ class Grammars:
         self._compiled_tokenizer = None
 
     def grammar(self, spec: StructuredOutput) -> Grammar:
-        """A matcher at the start of spec's language; ValueError naming what is wrong with it."""
+        """spec's matcher, at the start of its language; a ValueError that says what is wrong with it."""
         if self.tokenizer_json is None:
             raise ValueError("structured_output needs the model's tokenizer (this model has none)")
         if self._compiled_tokenizer is None:
@@ -74,7 +74,6 @@ class Grammars:
         return Grammar(matcher)
 
 
-
 @functools.cache
 def _executor() -> llguidance.LLExecutor:
     return llguidance.LLExecutor()   # its threads fill many masks at once
@@ -92,10 +91,22 @@ def fill_masks(grammars: list[Grammar], vocab_size: int) -> torch.Tensor:
     return masks
 
 
+@functools.cache
+def _byte_biases(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: what each byte of a mask adds to the logits of its 8 tokens (bit j of byte b
+    set: 0; else -inf)."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return torch.zeros(256, 8, dtype=dtype).masked_fill(bits == 0, float("-inf")).to(device)
+
+
 def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> torch.Tensor:
-    """The logits with every token the rows' masks (fill_masks) do not allow at -inf: a copy."""
+    """The logits with every token the rows' masks (fill_masks) do not allow at -inf: a copy.
+    The masks' bytes look up their tokens' biases (one embedding lookup, then one add: on a
+    CPU 5x faster than expanding the bits and masking with them)."""
     device, vocab = logits.device, logits.shape[-1]
-    shifts = torch.arange(BITS, dtype=torch.int32, device=device)
-    allowed = ((kernels.from_host(masks, device)[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    mask_bytes = kernels.from_host(masks.view(torch.uint8), device).int()   # little-endian: token t is bit t % 8
+    biases = torch.nn.functional.embedding(mask_bytes, _byte_biases(device, logits.dtype)).flatten(1)[:, :vocab]
+    if len(rows) == len(logits):   # rows are in order: every row
+        return logits + biases
     index = kernels.from_host(rows, device)
-    return logits.index_copy(0, index, logits[index].masked_fill(~allowed, float("-inf")))
+    return logits.index_copy(0, index, logits[index] + biases)

@@ -46,6 +46,7 @@ def test_masks_put_exactly_the_tokens_they_do_not_allow_at_minus_infinity():
             if not (int(mask[token // BITS]) >> (token % BITS)) & 1:
                 expected[row, token] = float("-inf")
     assert torch.equal(masked, expected) and not logits.isinf().any()   # a copy: the raw logits stay
+    assert torch.equal(apply_masks(logits[[1, 3]], [0, 1], masks), expected[[1, 3]])   # every row masked
 
 
 @pytest.mark.parametrize("temperature", [0, 1])
