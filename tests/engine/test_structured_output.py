@@ -10,6 +10,7 @@ import nanokv.engine.sampler as sampler_module
 from helpers import VOCAB, preemption_prompts
 from nanokv import LLM, SamplingParams
 from nanokv.engine.grammar import BITS, apply_masks
+from nanokv.eviction import METHODS
 from nanokv.sampling_params import StructuredOutput
 
 WORDS = r"[a-z]{6}( [a-z]{2,5}){3,6}\."
@@ -103,6 +104,21 @@ def test_constrained_requests_beside_others_under_eviction_and_preemption_match_
         elif p.structured_output is not None:
             assert set(json.loads(out.text)) == {"n", "ok"}
     assert llm.blocks.num_free == llm.blocks.num_blocks
+
+
+def test_every_method_constrained_in_one_batch_gives_what_it_gives_alone(tiny_dir):
+    """Each eviction method evicts a constrained request's pairs as it evicts any other's."""
+    words = StructuredOutput(regex=r"[a-z ]{50,58}")
+    params = [SamplingParams(temperature=0, max_tokens=60, structured_output=words, kv_method=method,
+                             **({} if method == "full" else dict(kv_budget=32, evict_every=16)),
+                             **({"kv_window": 8} if method in ("snapkv", "kvcompress") else {}))
+              for method in METHODS]
+    prompts = [[11 + i] * (20 + 3 * i) for i in range(len(params))]
+    llm = engine(tiny_dir, num_kv_blocks=160)
+    outs = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        assert out.token_ids == llm.generate([prompt], p)[0].token_ids and re.fullmatch(r"[a-z ]{50,58}", out.text)
+    assert llm.stats().pairs_evicted > 0
 
 
 def test_a_constrained_request_streams_as_it_generates(tiny_dir):
