@@ -105,17 +105,17 @@ def test_a_full_cache_request_on_an_evicting_engine(tiny_dir):
 
 def test_a_budget_alone_asks_for_the_default_evicting_method(tiny_dir):
     plain = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
-    method = plain._method(SamplingParams(kv_budget=64, evict_every=16))
+    method = plain._checked(SamplingParams(kv_budget=64, evict_every=16))[0]
     assert (method.name, type(method.schedule).__name__, method.sinks, method.recent) \
         == ("batchmax", "Prefill", 4, 24)                                  # recent: (64 - 16) / 2
-    assert plain._method(SamplingParams(kv_budget=64, evict_every=16, kv_recent=8, kv_schedule="decode")).rule \
+    assert plain._checked(SamplingParams(kv_budget=64, evict_every=16, kv_recent=8, kv_schedule="decode"))[0].rule \
         == ("batchmax", 4, 8, None, None)                                  # settings given are kept
-    assert plain._method(SamplingParams()).name == "full"                    # no budget: no eviction
-    assert plain._method(SamplingParams(kv_method="tova")).schedule.budget == 1024   # a name alone: 1024
+    assert plain._checked(SamplingParams())[0].name == "full"                    # no budget: no eviction
+    assert plain._checked(SamplingParams(kv_method="tova"))[0].schedule.budget == 1024   # a name alone: 1024
     engine_budget = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, kv_budget=64,
                         evict_every=16)
-    assert engine_budget._method(SamplingParams()).name == "batchmax"
-    assert engine_budget._method(SamplingParams(kv_method="full")).name == "full"
+    assert engine_budget._checked(SamplingParams())[0].name == "batchmax"
+    assert engine_budget._checked(SamplingParams(kv_method="full"))[0].name == "full"
 
 
 def test_prompt_logprobs_under_a_large_budget_equal_full(llm):
