@@ -275,11 +275,10 @@ class LLM:
         """Whether the next step may be scheduled before these tokens are read: not with
         overlap_steps off; not with tensor-parallel workers (each is sent the tokens it feeds);
         nor where a request must not run past its last token: a row that failed, logprobs
-        (recorded as sampled), kept positions (read when it ends); nor for penalties (they count
-        every token so far). A grammar reads the token the step before sampled itself (Sampler)."""
+        (recorded as sampled), kept positions (read when it ends). Penalties and grammars read
+        the token the step before sampled themselves (Sampler)."""
         return self.config.overlap_steps and self.workers is None and not sampled.errors and not any(
-            seq.logprobs is not None or seq.params.return_kept_positions or seq.params.penalizes
-            for seq in sampled.seqs)
+            seq.logprobs is not None or seq.params.return_kept_positions for seq in sampled.seqs)
 
     def _read(self, sampled: SampledTokens, every_token: bool, clock: StepClock) -> list[RequestOutput]:
         """The step's tokens read and recorded: stops checked, text detokenized, outputs made.

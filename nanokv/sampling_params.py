@@ -61,7 +61,7 @@ class SamplingParams(EvictionSettings):
 
     @property
     def penalizes(self) -> bool:
-        """Whether sampling reads the tokens so far (a step is then read before the next runs)."""
+        """Whether sampling counts the tokens so far."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     def check(self) -> None:

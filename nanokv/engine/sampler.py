@@ -59,48 +59,54 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None], seqs: list[Sequence] | None = None,
                  pending: SampledTokens | None = None) -> torch.Tensor:
-        """seqs: the rows' sequences, whose tokens so far the penalties count (all of them known:
-        a step of a request with penalties is read before the next one is scheduled) and the
-        grammars read; pending: the step before, whose tokens the grammars take first where
-        they are not read yet (overlapped steps: it has finished or soon will)."""
+        """seqs: the rows' sequences, whose tokens so far the penalties count and the grammars
+        read; pending: the step before, whose tokens they read first where they are not read
+        yet (overlapped steps: that step has finished by then, or soon will)."""
         self.errors = {}
-        if pending is not None and seqs is not None:
-            self._catch_up(seqs, pending)
+        unread = self._unread(seqs, pending) if pending is not None and seqs is not None else {}
         states = {row: gen.get_state() for row, gen in enumerate(generators) if gen is not None}   # before this call
         try:
-            return self._sample(logits, params, generators, seqs)
+            return self._sample(logits, params, generators, seqs, unread)
         except Exception:
-            return self._sample_rows_alone(logits, params, generators, seqs, states)
+            return self._sample_rows_alone(logits, params, generators, seqs, unread, states)
 
     @staticmethod
-    def _catch_up(seqs: list[Sequence], pending: SampledTokens) -> None:
-        behind = [seq for seq in seqs if seq.grammar is not None and seq.num_pending]
-        if behind:
-            rows, tokens = {id(seq): row for row, seq in enumerate(pending.seqs)}, pending.read()
-            for seq in behind:
-                seq.grammar.take(tokens[rows[id(seq)]], len(seq.output_token_ids))
+    def _unread(seqs: list[Sequence], pending: SampledTokens) -> dict[int, int]:
+        """The pending token of each sequence whose sampling reads its output (by id(seq)); the
+        grammars take theirs now."""
+        behind = [seq for seq in seqs if seq.num_pending and (seq.grammar is not None or seq.params.penalizes)]
+        if not behind:
+            return {}
+        rows, tokens = {id(seq): row for row, seq in enumerate(pending.seqs)}, pending.read()
+        unread = {id(seq): tokens[rows[id(seq)]] for seq in behind}
+        for seq in behind:
+            if seq.grammar is not None:
+                seq.grammar.take(unread[id(seq)], len(seq.output_token_ids))
+        return unread
 
     def _sample_rows_alone(self, logits: torch.Tensor, params: list[SamplingParams],
                            generators: list[torch.Generator | None], seqs: list[Sequence] | None,
-                           states: dict) -> torch.Tensor:
+                           unread: dict[int, int], states: dict) -> torch.Tensor:
         tokens = []
         for row, (p, gen) in enumerate(zip(params, generators)):
             try:
                 if row in states:   # rows without a state had drawn nothing yet
                     gen.set_state(states[row])
-                tokens.append(int(self._sample(logits[row:row + 1], [p], [gen], seqs and seqs[row:row + 1])[0]))
+                tokens.append(int(self._sample(logits[row:row + 1], [p], [gen], seqs and seqs[row:row + 1],
+                                               unread)[0]))
             except Exception as error:
                 self.errors[row] = error
                 tokens.append(FAILED)
         return torch.tensor(tokens, device=logits.device)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None], seqs: list[Sequence] | None) -> torch.Tensor:
+                generators: list[torch.Generator | None], seqs: list[Sequence] | None,
+                unread: dict[int, int]) -> torch.Tensor:
         constrained = [row for row, seq in enumerate(seqs or ()) if seq.grammar is not None]
         if constrained:   # the masks are filled here, on the host, while the device runs the forward
             masks = fill_masks([seqs[row].grammar for row in constrained], logits.shape[-1])
             logits = apply_masks(logits, constrained, masks)
-        logits = self._penalize(logits, params, seqs)
+        logits = self._penalize(logits, params, seqs, unread)
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
             return greedy
@@ -118,12 +124,14 @@ class Sampler:
         return torch.where(is_greedy, greedy, sampled)
 
     @staticmethod
-    def _penalize(logits: torch.Tensor, params: list[SamplingParams], seqs: list[Sequence] | None) -> torch.Tensor:
+    def _penalize(logits: torch.Tensor, params: list[SamplingParams], seqs: list[Sequence] | None,
+                  unread: dict[int, int]) -> torch.Tensor:
         """The logits with each row's logit_bias added and its penalties applied, as vLLM orders
         them: repetition (HF's: a seen token's logit divided by it if positive, else multiplied,
         over prompt and output), then frequency and presence (OpenAI's: minus the penalty times
-        the token's count in the output, minus the other once it is there). A copy, made only
-        for a batch with a row that asks: the caller's logits stay raw (logprobs read them)."""
+        the token's count in the output, minus the other once it is there); the output counts
+        its unread token. A copy, made only for a batch with a row that asks: the caller's
+        logits stay raw (logprobs read them)."""
         biased = [(row, token, bias) for row, p in enumerate(params) if p.logit_bias
                   for token, bias in p.logit_bias.items()]
         if biased:   # one scatter for every row's biases
@@ -140,7 +148,7 @@ class Sampler:
                      np.fromiter(chain(*lists), np.int64))
             return found.index_put_(tuple(kernels.from_host(w, device) for w in where), torch.ones(1, device=device),
                                     accumulate=True)
-        output = counts([seq.output_token_ids for seq in picked])
+        output = counts([seq.output_token_ids + ([unread[id(seq)]] if id(seq) in unread else []) for seq in picked])
         frequency, presence, repetition = (kernels.from_host([getattr(params[row], name) for row in rows], device)
                                            [:, None].to(logits.dtype) for name in PENALTIES)
         index = kernels.from_host(rows, device)
