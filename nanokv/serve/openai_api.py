@@ -148,8 +148,9 @@ def _structured_output(body: dict, tools: Tools | None) -> StructuredOutput | No
             raise bad_request(f"response_format.json_schema must be an object with a schema object, got {spec!r}",
                               "response_format")
         found["response_format"] = StructuredOutput(json=spec.get("schema") or {"type": "object"})
-    if tools is not None and tools.structured_output() is not None:
-        found["tool_choice"] = tools.structured_output()
+    forced = tools and tools.structured_output()
+    if forced:
+        found["tool_choice"] = forced
     if body.get("structured_output") is not None:
         found["structured_output"] = body["structured_output"]
     if len(found) > 1:
