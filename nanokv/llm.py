@@ -274,21 +274,22 @@ class LLM:
     def _overlaps(self, sampled: SampledTokens) -> bool:
         """Whether the next step may be scheduled before these tokens are read: not with
         overlap_steps off; not with tensor-parallel workers (each is sent the tokens it feeds);
-        nor where a request must not run past its last token: a row that failed, logprobs
-        (recorded as sampled), kept positions (read when it ends). Penalties and grammars read
-        the token the step before sampled themselves (Sampler)."""
+        nor where a request must not run past its last token: a row that failed, kept positions
+        (read when it ends). Penalties and grammars read the token the step before sampled
+        themselves (Sampler); logprobs come with the tokens (SampledTokens)."""
         return self.config.overlap_steps and self.workers is None and not sampled.errors and not any(
-            seq.logprobs is not None or seq.params.return_kept_positions for seq in sampled.seqs)
+            seq.params.return_kept_positions for seq in sampled.seqs)
 
     def _read(self, sampled: SampledTokens, every_token: bool, clock: StepClock) -> list[RequestOutput]:
         """The step's tokens read and recorded: stops checked, text detokenized, outputs made.
         A token of a request that finished since (a stop the step before, an abort) is dropped."""
         tokens = sampled.read()
         done = {seq.seq_id: reason for seq, reason in self.scheduler.record(sampled.seqs, tokens)}
+        logprobs = sampled.read_logprobs(tokens)
         clock.lap("update")
         errors = iter(sampled.errors.values())   # the rows that could not be sampled, in order
         outputs, requests = [], self.requests
-        for seq, token in zip(sampled.seqs, tokens):
+        for row, (seq, token) in enumerate(zip(sampled.seqs, tokens)):
             error = next(errors) if sampled.errors and token == FAILED else None
             request = requests.get(seq.seq_id)
             if request is None or seq.is_finished:   # aborted, or ended by a stop string since
@@ -296,6 +297,8 @@ class LLM:
             if error is not None:
                 outputs.append(self._fail(request, error))
                 continue
+            if logprobs and row in logprobs:
+                seq.logprobs.append(logprobs[row])
             try:
                 out = self._emit(request, token, every_token, done.get(seq.seq_id))
                 if out is not None:

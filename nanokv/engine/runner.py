@@ -20,7 +20,7 @@ from nanokv.engine import evict, memory
 from nanokv.engine.block_table import BlockTables
 from nanokv.engine.cuda_graphs import DecodeGraphs
 from nanokv.engine.offload_costs import PositionCost, best_split, measure_link_and_device
-from nanokv.engine.sampler import SampledTokens, Sampler, record_logprobs, token_logprobs
+from nanokv.engine.sampler import SampledTokens, Sampler, token_logprobs
 from nanokv.engine.scheduler import ScheduledBatch
 from nanokv.engine.sequence import HeadPages, Sequence
 from nanokv.engine.timing import StepClock
@@ -356,13 +356,12 @@ class ModelRunner:
                 if step.sample_rows else None
             clock.lap("forward")
             self._record_prompt_logprobs(hidden, step)
-            seqs, tokens = step.sampled_seqs, None
+            seqs, sampled = step.sampled_seqs, (None, {})
             if logits is not None:
                 tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs,
                                       self.last_sampled)
-                if any(seq.logprobs is not None for seq in seqs):
-                    record_logprobs(logits, tokens.tolist(), seqs)
-            self.last_sampled = SampledTokens(seqs, tokens, dict(self.sampler.errors) if tokens is not None else {})
+                sampled = (tokens, dict(self.sampler.errors), logits)
+            self.last_sampled = SampledTokens(seqs, *sampled)
             clock.lap("sample")
             return self.last_sampled
 

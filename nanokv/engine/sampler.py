@@ -21,21 +21,39 @@ class SampledTokens:
     """A step's sampled tokens, one per sequence of seqs (None: it sampled none): on the device,
     where the next step reads those it feeds, and copied to the host behind the step: read()
     waits for that copy only, not for what was launched after it. errors: the rows that could
-    not be sampled (Sampler.errors)."""
+    not be sampled (Sampler.errors). From the step's logits, the rows whose request asks for
+    logprobs get their logprob_tensors, copied with the tokens (read_logprobs; a row that could
+    not be sampled gets some, never read: its request ends with an error)."""
 
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None, errors: dict[int, Exception]):
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None, errors: dict[int, Exception],
+                 logits: torch.Tensor | None = None):
         self.seqs, self.on_device, self.errors = seqs, tokens, errors
-        self.on_host, self.ready = tokens, None
+        self.logprob_rows = [] if logits is None else [i for i, seq in enumerate(seqs) if seq.logprobs is not None]
+        found = ()
+        if self.logprob_rows:
+            at = kernels.from_host(self.logprob_rows, logits.device)
+            found = logprob_tensors(logits[at], tokens[at].clamp(min=0),
+                                    max(seqs[i].params.logprobs for i in self.logprob_rows))
+        self.on_host, self.ready = (tokens, *found), None
         if tokens is not None and tokens.is_cuda:
-            self.on_host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.on_host.copy_(tokens, non_blocking=True)
+            self.on_host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                                 for t in self.on_host)
             self.ready = torch.cuda.Event()
             self.ready.record()
 
     def read(self) -> list[int]:
         if self.ready is not None:
             self.ready.synchronize()
-        return [] if self.on_host is None else self.on_host.tolist()
+        return [] if self.on_host[0] is None else self.on_host[0].tolist()
+
+    def read_logprobs(self, tokens: list[int]) -> dict[int, TokenLogprob]:
+        """After read() gave tokens: the TokenLogprob of each row that asked."""
+        rows = self.logprob_rows
+        if not rows:
+            return {}
+        found = as_token_logprobs([tokens[i] for i in rows], *(t.tolist() for t in self.on_host[1:]),
+                                  [self.seqs[i].params.logprobs for i in rows])
+        return dict(zip(rows, found))
 
 
 class Sampler:
@@ -176,21 +194,22 @@ class Sampler:
         return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[TokenLogprob]:
-    """Each row's log-probability of its token, with the row's num_top most likely tokens:
-    log_softmax of the raw logits, before temperature and truncation (as OpenAI reports them)."""
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> tuple[torch.Tensor, ...]:
+    """Each row's log-probability of its token [R], and its num_top (at least 1) most likely
+    log-probabilities and tokens [R, num_top]: log_softmax of the raw logits, before temperature
+    and truncation (as OpenAI reports them). On the device: nothing waits."""
     logprobs = logits.log_softmax(dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])[:, 0].tolist()
-    top_logprobs, top_tokens = (t.tolist() for t in logprobs.topk(max(max(num_top), 1), dim=-1))
+    return (logprobs.gather(1, tokens[:, None])[:, 0], *logprobs.topk(max(num_top, 1), dim=-1))
+
+
+def as_token_logprobs(tokens: list[int], chosen: list[float], top_logprobs: list[list[float]],
+                      top_tokens: list[list[int]], num_top: list[int]) -> list[TokenLogprob]:
+    """logprob_tensors' values, read on the host, as each row's TokenLogprob with its own num_top."""
     return [TokenLogprob(token, logprob, tops[0], top_lps[0], list(zip(tops[:k], top_lps[:k])))
-            for token, logprob, tops, top_lps, k in zip(tokens, chosen, top_tokens, top_logprobs, num_top)]
+            for token, logprob, top_lps, tops, k in zip(tokens, chosen, top_logprobs, top_tokens, num_top)]
 
 
-def record_logprobs(logits: torch.Tensor, tokens: list[int], seqs: list[Sequence]) -> None:
-    """The sampled tokens' log-probabilities, appended for the sequences that asked (a row that
-    could not be sampled gets none: its request ends with an error)."""
-    rows = [i for i, seq in enumerate(seqs) if seq.logprobs is not None and tokens[i] != FAILED]
-    if rows:
-        found = token_logprobs(logits[rows], [tokens[i] for i in rows], [seqs[i].params.logprobs for i in rows])
-        for i, logprob in zip(rows, found):
-            seqs[i].logprobs.append(logprob)
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[TokenLogprob]:
+    """Each row's TokenLogprob of its token, with the row's num_top most likely tokens."""
+    found = logprob_tensors(logits, torch.tensor(tokens, device=logits.device), max(num_top))
+    return as_token_logprobs(tokens, *(t.tolist() for t in found), num_top)

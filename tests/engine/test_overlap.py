@@ -23,13 +23,15 @@ def requests(method: str, reference: list | None = None) -> list[SamplingParams]
     """A full-cache request that grows (in a short pool it preempts the newer ones), then five
     of method, which stop at different steps: by max_tokens, by a stop token or a stop string
     taken from what they generate without them (reference), one seeded and sampled, and two
-    short ones (their steps do not overlap) with logprobs and returning their kept positions."""
+    short ones, with logprobs and returning their kept positions (those steps do not overlap).
+    The requests stopped by a stop string and a stop token ask for logprobs too: their extra
+    token's must be dropped with it."""
     evicts = {} if method == "full" else dict(kv_method=method, kv_budget=32, evict_every=16,
                                               **({"kv_window": 8} if method == "snapkv" else {}))
     params = [SamplingParams(temperature=0, max_tokens=80)]
     params += [SamplingParams(temperature=0, max_tokens=n, **evicts) for n in (31, 45, 10, 12, 27)]
     params[2] = SamplingParams(temperature=0.8, seed=7, max_tokens=45, **evicts)
-    params[3].logprobs = 2
+    params[1].logprobs = params[3].logprobs = params[5].logprobs = 2
     params[4].return_kept_positions = method != "full"
     if reference is not None:
         params[1].stop = [reference[1].text[9:11]]
@@ -58,7 +60,10 @@ def test_overlap_on_and_off_give_the_same_requests_the_same_results(tiny_dir, me
     expected = results(off.generate(prompts, params))
     assert [expected[i][2] for i in (1, 2, 5)] == ["stop"] * 3   # the stop string and stop tokens were hit
     on = engine(tiny_dir, True, **options)
-    assert results(on.generate(prompts, params)) == expected
+    outputs = on.generate(prompts, params)
+    assert results(outputs) == expected
+    # an extra token's logprob is dropped with it, not kept past the last token
+    assert all(len(o.request_logprobs) == len(o.token_ids) for o in outputs if o.logprobs is not None)
     if pool != "roomy":
         assert on.stats().preemptions > 0
     assert on.blocks.num_free == on.blocks.num_blocks and not on.has_unfinished()
@@ -94,8 +99,9 @@ def test_streamed_outputs_match_and_none_follows_a_finished_one(tiny_dir, method
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_step_launches_before_the_tokens_of_the_one_before_are_read(tiny_dir, monkeypatch, overlap):
-    """The host reads step n's tokens after step n + 1 is launched (overlap), or before it
-    is scheduled (overlap off; and any step with logprobs)."""
+    """The host reads step n's tokens after step n + 1 is launched (overlap; logprobs too: they
+    come with the tokens), or before it is scheduled (overlap off; and any step of a request
+    that returns its kept positions)."""
     llm = engine(tiny_dir, overlap, num_kv_blocks=160)
     events = []
     run, read = llm.runner.run, sampler_module.SampledTokens.read
@@ -112,14 +118,18 @@ def test_a_step_launches_before_the_tokens_of_the_one_before_are_read(tiny_dir, 
     monkeypatch.setattr(llm.runner, "run", launch)
     monkeypatch.setattr(sampler_module.SampledTokens, "read", reading)
     prompts = preemption_prompts()[:3]
-    llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 3)
-    launches = [kind for kind, _ in events].count("launch")
-    assert launches == 8 and sorted(step for kind, step in events if kind == "read") == list(range(launches))
-    for step in range(launches - 1):
-        read_at, next_at = events.index(("read", step)), events.index(("launch", step + 1))
-        assert (next_at < read_at) == overlap
+    for extra in ({}, {"logprobs": 1}):
+        events.clear()
+        llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **extra)] * 3)
+        launches = [kind for kind, _ in events].count("launch")
+        assert launches == 8 and sorted(step for kind, step in events if kind == "read") == list(range(launches))
+        for step in range(launches - 1):
+            read_at, next_at = events.index(("read", step)), events.index(("launch", step + 1))
+            assert (next_at < read_at) == overlap
     events.clear()
-    llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)] * 3)
+    kept = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, kv_method="h2o", kv_budget=32, evict_every=16,
+                          return_kept_positions=True)
+    llm.generate(prompts, [kept] * 3)
     assert all(events[i][0] != events[i + 1][0] for i in range(len(events) - 1))   # launch, read, launch, ...
 
 
