@@ -19,13 +19,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 import kernels
 from models import KVCache
 from models.tensor_parallel import Shard
+from nanokv.engine.head_pages import HeadTables, OwnPages
 from nanokv.engine.scheduler import Eviction
-from nanokv.engine.sequence import HeadPages, Sequence
+from nanokv.engine.sequence import Sequence
 from nanokv.eviction import HeldPairs, KVMethod
 from nanokv.eviction.holes import hole_moves, lowest
 from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, page_costs, repage
@@ -77,8 +79,9 @@ def read_slots(per_slot: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Te
 
 
 class Evictor:
-    def __init__(self, cache: KVCache, shard: Shard = Shard()):
+    def __init__(self, cache: KVCache, head_tables: HeadTables, shard: Shard = Shard()):
         self.cache, self.block_size, self.device = cache, cache.block_size, cache.k.device
+        self.head_tables = head_tables   # an uneven method's own pages, after its first eviction
         self.shard = shard   # a split model's replicated KV heads sum their scores over their replicas
         # Since the engine started, over this rank's heads: the pairs evictions dropped and those
         # they wrote (moved into holes, whole pages repaged), counted on the device: no sync.
@@ -143,30 +146,21 @@ class Evictor:
         held = self._held(seqs, tables, num_slots)
         return lowest(seqs[0].method.keep_priority(held), held.positions, num_evicted)
 
-    def _head_pages(self, seqs: list[Sequence], num_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _own_pages(self, seqs: list[Sequence], num_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Uneven sequences' pages [S, L, Hkv, W] and pairs per head [S, L, Hkv] when each holds
-        its num_slots slots (per head on average): the pages of its blocks until its first
-        eviction, its own (HeadPages) after. Narrower tables are padded with pages never read."""
-        fresh = [i for i, seq in enumerate(seqs) if seq.head_pages is None]
-        evicted = [i for i, seq in enumerate(seqs) if seq.head_pages is not None]
-        parts = []
+        its num_slots slots (per head on average): their rows of the head tables, where a
+        sequence's first eviction first writes its blocks' pages."""
+        fresh = [i for i, seq in enumerate(seqs) if seq.own_pages is None]
         if fresh:
-            tables = self._tables([seqs[i] for i in fresh], max(num_slots[i] for i in fresh))
-            lens = kernels.from_host([num_slots[i] for i in fresh], self.device)[:, None, None]
-            parts.append((tables, lens.expand(tables.shape[:3])))
-        if evicted:
-            tables, lens = HeadPages.stack([seqs[i].head_pages for i in evicted])
-            taken = kernels.from_host([num_slots[i] - seqs[i].head_pages.slots for i in evicted], self.device)
-            parts.append((tables, lens.long() + taken[:, None, None]))
-        width = max(tables.shape[-1] for tables, _ in parts)
-        tables = torch.cat([torch.nn.functional.pad(tables, (0, width - tables.shape[-1])) for tables, _ in parts])
-        lens = torch.cat([lens for _, lens in parts])
-        if fresh and evicted:   # back to the order of seqs
-            order = torch.empty(len(seqs), dtype=torch.long)
-            order[fresh + evicted] = torch.arange(len(seqs))
-            order = kernels.from_host(order, self.device)
-            tables, lens = tables[order], lens[order]
-        return tables, lens
+            owns = [OwnPages(seqs[i].block_table.row, 0, num_slots[i]) for i in fresh]
+            width = -(-max(own.slots for own in owns) // self.block_size)
+            blocks = seqs[0].block_table.tables.ids[[own.row for own in owns], :width]
+            tables = self.cache.pages(kernels.from_host(blocks, self.device))
+            lens = kernels.from_host(np.array([own.slots for own in owns], dtype=np.int32), self.device)
+            self.head_tables.write(owns, tables, lens[:, None, None].expand(tables.shape[:3]))
+            for i, own in zip(fresh, owns):
+                seqs[i].own_pages = own
+        return self.head_tables.read([seq.own_pages for seq in seqs], num_slots)
 
     def _evict_pages(self, evictions: list[Eviction]) -> None:
         """KV-Compress: each sequence's heads go down to num_slots - num_evicted pairs each on
@@ -178,7 +172,7 @@ class Evictor:
         sequences hold and drop."""
         seqs = [e.seq for e in evictions]
         num_slots = [e.num_slots for e in evictions]
-        tables, lens = self._head_pages(seqs, num_slots)
+        tables, lens = self._own_pages(seqs, num_slots)
         S, L, H, width = tables.shape
         method, bs, n = seqs[0].method, self.block_size, width * self.block_size
         pieces = self._pieces(S, method, n, n)   # a head may give up all but its floor
@@ -220,8 +214,9 @@ class Evictor:
             for buffer in self.cache.per_slot:
                 buffer[dst] = buffer[src]
             self.pair_counts[1] += (src != dst).sum() * bs
-            for row, seq in enumerate(seqs[part]):
-                seq.head_pages = HeadPages(part_tables, kept_lens[part], row, seq.num_kv_slots)
+            for seq in seqs[part]:
+                seq.own_pages.slots = seq.num_kv_slots
+            self.head_tables.write([seq.own_pages for seq in seqs[part]], part_tables, kept_lens[part])
 
     def _choose_pages(self, costs: torch.Tensor, lens: torch.Tensor, kept_slots: torch.Tensor,
                       evictions: list[Eviction]) -> torch.Tensor:
@@ -256,7 +251,7 @@ class Evictor:
         (the engine evicts before the next chunk): it is applied."""
         n = seq.num_kv_slots
         if seq.method.uneven:
-            tables, lens = (x[0] for x in self._head_pages([seq], [n]))
+            tables, lens = (x[0] for x in self._own_pages([seq], [n]))
             positions = read_slots(self.cache.positions, tables[None], tables.shape[-1] * self.block_size)[0]
             slot = torch.arange(positions.shape[-1], device=self.device)
             end = torch.iinfo(positions.dtype).max   # a head's empty slots: after its pairs, then -1

@@ -19,10 +19,11 @@ from nanokv.config import EngineConfig
 from nanokv.engine import evict, memory
 from nanokv.engine.block_table import BlockTables
 from nanokv.engine.cuda_graphs import DecodeGraphs
+from nanokv.engine.head_pages import HeadTables
 from nanokv.engine.offload_costs import PositionCost, best_split, measure_link_and_device
 from nanokv.engine.sampler import SampledTokens, Sampler, token_logprobs
 from nanokv.engine.scheduler import ScheduledBatch
-from nanokv.engine.sequence import HeadPages, Sequence
+from nanokv.engine.sequence import Sequence
 from nanokv.engine.timing import StepClock
 from nanokv.eviction import AverageAttention, KVMethod
 from nanokv.sampling_params import SamplingParams
@@ -70,7 +71,8 @@ class ModelRunner:
             num_blocks = model.shard.min(num_blocks, device)   # block ids are the same on every rank
             self.kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
             self.host_cache = self._host_tier()
-            self.evictor = evict.Evictor(self.kv_cache, model.shard)
+            self.head_tables = HeadTables(config.max_num_seqs, self.kv_cache)
+            self.evictor = evict.Evictor(self.kv_cache, self.head_tables, model.shard)
             self.sampler = Sampler(device, config.seed)
             self.last_sampled: SampledTokens | None = None   # what the sequences with a token pending feed next
             self.graphs = None
@@ -288,16 +290,13 @@ class ModelRunner:
                     cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Each head's pages [L, B, Hkv, W] and length this step [L, B, Hkv], and a host-side
         bound of the lengths. A head's pages are its sequence's blocks' (KVCache.batch_pages,
-        from the rows of BlockTables), or its own once an uneven method has evicted
-        (Sequence.head_pages)."""
+        from the rows of BlockTables), or its own once an uneven method has evicted (HeadTables)."""
         lens = np.array([seq.num_kv_slots for seq in seqs]) + num_new
         bound = int(lens.max())
         width = -(-bound // self.block_size)
-        heads = [seq.head_pages for seq in seqs]
-        own = [b for b, head in enumerate(heads) if head is not None]
+        own = [b for b, seq in enumerate(seqs) if seq.own_pages is not None]
         if own:
-            heads = [heads[b] for b in own]
-            own_tables, own_lens = HeadPages.stack(heads)
+            own_tables, own_lens = self.head_tables.read([seqs[b].own_pages for b in own], lens[own].tolist())
             width = max(width, own_tables.shape[-1])
             bound = max(bound, own_tables.shape[-1] * self.block_size)
         rows = np.fromiter((seq.block_table.row for seq in seqs), dtype=np.intp, count=len(seqs))
@@ -307,10 +306,9 @@ class ModelRunner:
         tables = cache.batch_pages(self._to_device(blocks))
         step_lens = self._to_device(lens.astype(np.int32))[None, :, None].expand(tables.shape[:3]).contiguous()
         if own:   # heads with pages of their own: all of them put in place at once
-            taken = lens[own] - np.fromiter((head.slots for head in heads), dtype=np.int64, count=len(own))
             own = self._to_device(own, np.int64)
             tables[:, own, :, :own_tables.shape[-1]] = own_tables.transpose(0, 1)
-            step_lens[:, own] = (own_lens + self._to_device(taken, np.int32)[:, None, None]).transpose(0, 1)
+            step_lens[:, own] = own_lens.transpose(0, 1)
         return tables, step_lens, bound
 
     def _slot_mapping(self, tables: torch.Tensor, lens: torch.Tensor, row_seq: torch.Tensor,
@@ -368,20 +366,23 @@ class ModelRunner:
     def _swap(self, batch: ScheduledBatch) -> None:
         """Blocks to the host tier (preempted sequences', spilled cached ones), then back from it
         (resuming sequences', cached ones hit there): a device block may be both, one block's
-        going out, another's coming in. A resumed sequence's own page tables (an uneven
-        method's) follow its blocks to their new places."""
+        going out, another's coming in. A sequence's own page tables (an uneven method's) are
+        kept aside while it is out, and follow its blocks to their new places when it resumes."""
         if batch.saves:
             device, host = zip(*batch.saves)
             self.host_cache.save(list(host), list(device))
         if batch.loads:
             host, device = zip(*batch.loads)
             self.host_cache.load(list(host), list(device))
+        for seq in batch.swapped_out:
+            if seq.own_pages is not None:
+                self.head_tables.keep_aside(seq.own_pages)
         for swap in batch.resumed:
-            own = swap.seq.head_pages
-            if own is not None:
-                tables = self.kv_cache.move_pages(own.tables[own.row], swap.device_before, swap.device)
-                swap.seq.head_pages = HeadPages(tables[None], own.lens[own.row][None], 0, own.slots)
+            if swap.seq.own_pages is not None:
+                self.head_tables.put_back(swap.seq.own_pages, swap.seq.block_table.row, lambda tables, swap=swap:
+                                          self.kv_cache.move_pages(tables, swap.device_before, swap.device))
 
+    @torch.inference_mode()
     def kept_positions(self, seq: Sequence) -> torch.Tensor:
         """[L, H, n]: the original positions of the pairs seq holds at the end (evict.py)."""
         with on_device(self.device):

@@ -60,6 +60,7 @@ class ScheduledBatch:
     saves: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    swapped_out: list[Sequence] = field(default_factory=list)   # their own page tables are kept aside
     resumed: list[Swap] = field(default_factory=list)   # swapped back in: their own page tables follow
     preempted: set[int] = field(default_factory=set)    # seq ids: none is admitted again in the same step
 
@@ -282,10 +283,11 @@ class Scheduler:
             host = self.blocks.allocate_host(len(blocks))
             seq.swapped = Swap(seq, seq.offloaded + host, [OFFLOADED] * len(seq.offloaded) + blocks)
             batch.save(list(zip(blocks, host)))
+            batch.swapped_out.append(seq)
             self.num_swaps += 1
         else:
             self.blocks.release_host(seq.offloaded)
-            seq.prefix_serials, seq.head_pages = [], None
+            seq.prefix_serials, seq.own_pages = [], None
             seq.num_computed_tokens = seq.num_kv_slots = 0
         seq.offloaded = []
         self.blocks.free(blocks)

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import kernels
 from nanokv.engine.block_table import BlockTable
 from nanokv.eviction import KVMethod
 from nanokv.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nanokv.engine.grammar import Grammar
+    from nanokv.engine.head_pages import OwnPages
 
 
 @dataclass
@@ -26,50 +26,6 @@ class TokenLogprob:
     top_logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)   # SamplingParams(logprobs=k): the k most
     #                                                                likely (token, logprob), most likely first
-
-
-@dataclass
-class HeadPages:
-    """The pages of a sequence whose heads hold different numbers of pairs (an uneven method,
-    after its first eviction); before it, and for every other method, each head's pages are
-    those of the sequence's blocks (KVCache.pages). Sequences share one set of tensors, each
-    its own row of it: those evicted together, then those a step stacked (stack)."""
-    tables: torch.Tensor   # [S, L, Hkv, W] int32: each head's pages, room for what it reads until the next eviction
-    lens: torch.Tensor     # [S, L, Hkv] int32: pairs each head held right after the last eviction
-    row: int               # this sequence's, of the S sharing the tensors
-    slots: int             # num_kv_slots then: every head has taken num_kv_slots - slots pairs since
-
-    @staticmethod
-    def stack(pages: list[HeadPages]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables [N, L, Hkv, W] (W the widest; narrower ones padded with page 0, never read)
-        and lens [N, L, Hkv] of N sequences' pages, in one gather per group sharing tensors.
-        Each is then re-pointed at its row of the result, so that the next step of the same
-        sequences, if none evicts, gathers nothing."""
-        first = pages[0]
-        if all(page.tables is first.tables and page.row == i for i, page in enumerate(pages)) \
-                and len(pages) == len(first.tables):
-            return first.tables, first.lens
-        groups = {}
-        for i, page in enumerate(pages):
-            groups.setdefault(id(page.tables), []).append(i)
-        width = max(pages[members[0]].tables.shape[-1] for members in groups.values())
-        tables, lens = [], []
-        for members in groups.values():
-            first, rows = pages[members[0]], [pages[i].row for i in members]
-            whole = rows == list(range(len(first.tables)))   # the whole group, in order
-            rows = slice(None) if whole else kernels.from_host(rows, first.tables.device)
-            tables.append(torch.nn.functional.pad(first.tables[rows], (0, width - first.tables.shape[-1])))
-            lens.append(first.lens[rows])
-        tables, lens = torch.cat(tables), torch.cat(lens)
-        order = [i for members in groups.values() for i in members]
-        if order != list(range(len(pages))):   # back to the order of pages
-            inverse = torch.empty(len(order), dtype=torch.long)
-            inverse[order] = torch.arange(len(order))
-            inverse = kernels.from_host(inverse, tables.device)
-            tables, lens = tables[inverse], lens[inverse]
-        for row, page in enumerate(pages):
-            page.tables, page.lens, page.row = tables, lens, row
-        return tables, lens
 
 
 @dataclass
@@ -108,7 +64,7 @@ class Sequence:
     kept_positions: torch.Tensor | None = None                  # when asked for, at the end
     num_cached_tokens: int = 0         # prompt tokens taken from the prefix cache at its last admission
     prefix_serials: list[int] = field(default_factory=list)    # prefix-cache entries of its full blocks
-    head_pages: HeadPages | None = None                          # an uneven method's own page tables
+    own_pages: OwnPages | None = None  # an uneven method's own page tables, after its first eviction
     swapped: Swap | None = None        # preempted to the host tier: where its blocks are
     offloaded: list[int] = field(default_factory=list)   # decoding from the host: the host blocks of its first blocks
     num_kept_inputs: int = 0           # its first positions whose layer inputs the host tier keeps (KVPR)

@@ -35,7 +35,7 @@ from nanokv.config import EngineConfig
 from nanokv.engine.block_table import BlockTables
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.scheduler import Eviction, ScheduledBatch
-from nanokv.engine.sequence import Sequence, Status
+from nanokv.engine.sequence import Sequence, Status, Swap
 from nanokv.eviction import method_for
 from nanokv.sampling_params import SamplingParams
 
@@ -152,6 +152,7 @@ class Workers:
         self.shard, self.control = connect(0, size, address, device, cfg.num_kv_heads)
         self.stopped = False
         self.mirrored: dict[int, list] = {}   # seq_id -> [seq, tokens sent, offloaded blocks sent]: the mirrors
+        self.parked: dict[int, Sequence] = {}   # swapped out: the workers keep their own page tables aside
 
     def check(self, wait_s: float = 0.0) -> None:
         """A RuntimeError if a worker has ended (it said why on its standard error), waiting up to
@@ -173,9 +174,15 @@ class Workers:
         gone = [seq_id for seq_id, (seq, *_) in self.mirrored.items() if seq.status != Status.RUNNING]
         for seq_id in gone:   # finished, or preempted (admitted again, it is sent whole again)
             del self.mirrored[seq_id]
+        swapped = [seq.seq_id for seq in batch.swapped_out]
+        resumed = [(swap.seq.seq_id, swap.device, swap.device_before) for swap in batch.resumed]
+        self.parked.update((seq.seq_id, seq) for seq in batch.swapped_out)
+        for seq_id in [seq_id for seq_id, _, _ in resumed] + [i for i, seq in self.parked.items() if seq.is_finished]:
+            del self.parked[seq_id]   # resumed, or finished while out: the workers keep those still parked
         updates = [tuple(self._describe(seq, n)) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         evictions = [(e.seq.seq_id, e.num_evicted, e.num_slots, e.num_blocks_kept) for e in batch.evictions]
-        broadcast((STEP, gone, updates, evictions, batch.saves, batch.loads, batch.copies), self.control)
+        broadcast((STEP, gone, swapped, list(self.parked), updates, evictions, batch.saves, batch.loads, batch.copies,
+                   resumed), self.control)
 
     def _describe(self, seq: Sequence, n: int) -> Update:
         """What a worker's mirror of seq lacks, and its n new tokens."""
@@ -235,16 +242,24 @@ class Mirror:
         self.runner, self.config = runner, config
         self.tables = BlockTables(config.max_num_seqs, -(-config.max_model_len // config.block_size))
         self.seqs: dict[int, Sequence] = {}
+        self.parked: dict[int, Sequence] = {}   # swapped out on rank 0: their own page tables kept aside
 
-    def batch(self, gone: list[int], updates: list[tuple], evictions: list[tuple], saves: list, loads: list,
-              copies: list) -> ScheduledBatch:
-        """The batch of the step rank 0 described (Workers.send)."""
+    def batch(self, gone: list[int], swapped: list[int], parked: list[int], updates: list[tuple],
+              evictions: list[tuple], saves: list, loads: list, copies: list, resumed: list[tuple]) -> ScheduledBatch:
+        """The batch of the step rank 0 described (Workers.send). A sequence swapped out is
+        parked until it resumes: its mirror is sent whole again, and takes the parked one's own
+        page tables."""
         for seq_id in gone:
-            self.tables.release(self.seqs.pop(seq_id).block_table)
+            self.tables.release(self.seqs[seq_id].block_table)
+            self.parked[seq_id] = self.seqs.pop(seq_id)
+        swapped_out = [self.parked[seq_id] for seq_id in swapped]
         updates = [Update(*fields) for fields in updates]
         seqs = [self.update(update) for update in updates]
+        resumed = [Swap(self.seqs[seq_id], [], device, before) for seq_id, device, before in resumed]
+        self.parked = {seq_id: self.parked[seq_id] for seq_id in parked}
         evictions = [Eviction(self.seqs[seq_id], *counts) for seq_id, *counts in evictions]
-        return ScheduledBatch(seqs, [u.num_new_tokens for u in updates], evictions, saves, loads, copies)
+        return ScheduledBatch(seqs, [u.num_new_tokens for u in updates], evictions, saves, loads, copies,
+                              swapped_out, resumed)
 
     def update(self, update: Update) -> Sequence:
         """Bring a sequence's mirror up to date (Workers._describe)."""
@@ -252,6 +267,8 @@ class Mirror:
             method = method_for(update.params, self.config, self.config.block_size)
             self.seqs[update.seq_id] = Sequence(update.seq_id, [], update.params, method=method,
                                                 max_slots=update.max_slots, block_table=self.tables.new([]))
+            if update.seq_id in self.parked:   # resumed
+                self.seqs[update.seq_id].own_pages = self.parked.pop(update.seq_id).own_pages
         seq = self.seqs[update.seq_id]
         seq.num_prompt_tokens = update.num_prompt_tokens
         seq.num_computed_tokens, seq.num_kv_slots = update.num_computed_tokens, update.num_kv_slots

@@ -110,6 +110,22 @@ def test_uneven_eviction_swapping_under_tensor_parallelism_preempts_as_one_rank_
     assert two.stats().swaps == two.stats().preemptions
 
 
+def test_a_kvcompress_sequence_swapped_out_comes_back_with_every_rank_s_own_pages(tiny_dir, split):
+    """Pages of 4 slots, so that heads trade pages before they are swapped out: every rank
+    keeps its heads' own page tables aside while a sequence is out, and its tokens and kept
+    positions are one rank's."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (40, 70, 55, 60, 33, 61)]
+    params = [SamplingParams(temperature=0, max_tokens=45 + 3 * i, ignore_eos=True,
+                             **(dict(kv_method="kvcompress", kv_budget=32, evict_every=8, return_kept_positions=True)
+                                if i % 2 else {}))
+              for i in range(6)]
+    options = dict(block_size=4, num_kv_blocks=48, kv_offload_gb=0.002, preemption_mode="swap")
+    one, two = engine(tiny_dir, **options), split(tiny_dir, 2, **options)
+    assert_same(two.generate(prompts, params), one.generate(prompts, params))
+    assert two.stats().swaps > 0
+
+
 @pytest.mark.parametrize("family, kv_cache_dtype", [("llama3", "auto"), ("mistral", "int8"), ("qwen2", "auto"),
                                                     ("qwen3", "fp8"), ("phi3", "auto")])
 def test_every_family_splits(tiny_models, split, family, kv_cache_dtype):

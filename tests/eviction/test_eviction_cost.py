@@ -66,16 +66,20 @@ def waits(ops: list[str]) -> list[str]:
 
 
 class CountOps(TorchDispatchMode):
-    """Every torch op dispatched inside, by name, and the bytes of the tensors they allocate."""
+    """Every torch op dispatched inside, by name, and the bytes of the tensors they allocate; the
+    launches: the ops but views (which a GPU does not run: their count depends on shapes)."""
     def __init__(self):
         super().__init__()
         self.ops: list[str] = []
+        self.launches: list[str] = []
         self.allocated = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         masked = func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default) and \
             any(i is not None and i.dtype == torch.bool for i in args[1])
         self.ops.append(f"{func}{MASKED if masked else ''}")
+        if not all(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+            self.launches.append(self.ops[-1])
         out = func(*args, **(kwargs or {}))
         for result, returned in zip(out if isinstance(out, (tuple, list)) else (out,), func._schema.returns):
             if isinstance(result, torch.Tensor) and returned.alias_info is None:   # not a view
@@ -131,8 +135,12 @@ def test_a_paper_sized_eviction_takes_few_pieces():
 
 
 
-@pytest.mark.parametrize("method", ["batchmax", "h2o@prefill", "streamingllm", "knorm@decode", "snapkv@prefill"])
+@pytest.mark.parametrize("method", ["batchmax", "h2o@prefill", "streamingllm", "knorm@decode", "snapkv@prefill",
+                                    "kvcompress"])
 def test_an_eviction_step_runs_the_same_ops_whatever_the_batch_and_layers(tmp_path, method):
+    """Counted as launches. kvcompress: a step with a first eviction writes its blocks' pages
+    into the head tables first, one that widens them copies them (a few times in all): others
+    run the same ops; its one wait is checked below."""
     ranking, _, schedule = method.partition("@")
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=ranking, kv_budget=64,
                             evict_every=16, kv_schedule=schedule or None, **({"kv_window": 8} if ranking == "snapkv" else {}))
@@ -143,16 +151,19 @@ def test_an_eviction_step_runs_the_same_ops_whatever_the_batch_and_layers(tmp_pa
             make_tiny_model(tmp_path / str(layers), "llama", layers=layers)
         llm = LLM(str(tmp_path / str(layers)), dtype="float32", num_kv_blocks=8 * batch + 16, max_model_len=256,
                   max_num_seqs=batch, num_threads=1)
-        steps, evict = [], llm.runner.evictor.evict
+        steps, evict, head_tables = [], llm.runner.evictor.evict, llm.runner.head_tables
 
         def counted(evictions):
+            width = head_tables.tables.shape[-1]
+            first = any(e.seq.method.uneven and e.seq.own_pages is None for e in evictions)
             with CountOps() as counter:
                 evict(evictions)
-            if evictions:
-                steps.append(counter.ops)
+            if evictions and not first and head_tables.tables.shape[-1] == width:
+                steps.append(counter.launches)
         llm.runner.evictor.evict = counted
         llm.generate([torch.randint(0, VOCAB, (150,), generator=g).tolist() for _ in range(batch)], params)
-        assert steps and not [op for ops in steps for op in waits(ops)]
+        allowed = ["aten.item.default"] if ranking == "kvcompress" else []
+        assert steps and all(waits(ops) == allowed for ops in steps)
         seen[layers, batch] = {len(ops) for ops in steps}
     assert seen[2, 8] == seen[2, 64] == seen[12, 8], seen
 

@@ -1,0 +1,76 @@
+"""Each head's own pages, once an uneven method has evicted.
+
+Before its first eviction, and under every method but an uneven one (kvcompress), the heads
+of a sequence hold the same pairs, in the pages of its blocks (KVCache.pages of its block
+table). After an uneven eviction each (layer, KV head) has its own pages and length. They
+live on the device in one table with a row per block-table row (HeadTables), so a step or
+an eviction gathers its sequences' rows in one index, whichever evicted when; the host keeps
+per sequence only the numbers that size the gather (OwnPages).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+import kernels
+from models import KVCache
+
+
+@dataclass
+class OwnPages:
+    """A sequence's part of HeadTables, on the host."""
+    row: int      # its row: its block table's, where it was last written
+    width: int    # the row's columns that mean anything: its widest head's pages, or more
+    slots: int    # num_kv_slots when the row was written: every head has taken num_kv_slots - slots pairs since
+    kept: tuple[torch.Tensor, torch.Tensor] | None = None   # its row, while swapped out (the row is not its own)
+
+
+class HeadTables:
+    """tables [rows, L, Hkv, W] int32: each head's pages, room for what it reads until the next
+    eviction; lens [rows, L, Hkv] int32: the pairs each head held when the row was written. W
+    grows to the widest row written."""
+
+    def __init__(self, num_rows: int, cache: KVCache):
+        shape, device = (num_rows, cache.num_layers, cache.num_kv_heads), cache.k.device
+        self.tables = torch.zeros(*shape, 0, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(shape, dtype=torch.int32, device=device)
+
+    def read(self, owns: list[OwnPages], num_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of owns [S, L, Hkv, W] (W the widest; a narrower row's extra columns name
+        pages it never reads) and each head's pairs [S, L, Hkv] when its sequence holds num_slots."""
+        rows, taken = kernels.from_host(np.array([[own.row for own in owns],
+                                                  [n - own.slots for own, n in zip(owns, num_slots)]]),
+                                        self.lens.device)
+        width = max(own.width for own in owns)
+        return self.tables[rows, :, :, :width], self.lens[rows] + taken[:, None, None].to(torch.int32)
+
+    def _rows(self, owns: list[OwnPages]) -> torch.Tensor:
+        return kernels.from_host(np.array([own.row for own in owns], dtype=np.int64), self.lens.device)
+
+    def write(self, owns: list[OwnPages], tables: torch.Tensor, lens: torch.Tensor) -> None:
+        """Rows of owns := tables [S, L, Hkv, w] and lens [S, L, Hkv] (int32); each own's width becomes w."""
+        w = tables.shape[-1]
+        if w > self.tables.shape[-1]:
+            grown = torch.zeros(*self.tables.shape[:3], max(w, 2 * self.tables.shape[-1]), dtype=torch.int32,
+                                device=self.tables.device)
+            grown[..., :self.tables.shape[-1]] = self.tables
+            self.tables = grown
+        rows = self._rows(owns)
+        self.tables[rows, :, :, :w] = tables
+        self.lens[rows] = lens
+        for own in owns:
+            own.width = w
+
+    def keep_aside(self, own: OwnPages) -> None:
+        """A copy of own's row, for while its sequence is swapped out and another may take the row."""
+        own.kept = self.tables[own.row, :, :, :own.width].clone(), self.lens[own.row].clone()
+
+    def put_back(self, own: OwnPages, row: int, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """own's row kept aside, written at row (its sequence's new block table's), its pages
+        through moved (their blocks' new places)."""
+        tables, lens = own.kept
+        own.row, own.kept = row, None
+        self.write([own], moved(tables)[None], lens[None])
