@@ -111,6 +111,18 @@ def from_host(values, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
 
 
+def to_host(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:
+    """Device tensors copied to the host behind what is queued, without the host waiting: the
+    copies (pinned) and the event after which they hold the values (None: they are the tensors,
+    already on the host)."""
+    if not tensors[0].is_cuda:
+        return tensors, None
+    copies = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors)
+    ready = torch.cuda.Event()
+    ready.record()
+    return copies, ready
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _ops(gate_up).silu_and_mul(gate_up)
 

@@ -207,16 +207,21 @@ class Evictor:
                               -1).flatten(1)   # -1: not a block it keeps
         # A head's pages all lie in its sequence's blocks: those leaving lie in the blocks given back.
         given_back = [(len(e.seq.block_table) - e.num_blocks_kept) * L * H for e in evictions]
+        # Each head's share of the unused pages: the room its tokens until the next eviction take
+        # (what the blocks kept hold beyond the pairs kept). A head keeps at most the pages it held.
+        room = [e.num_blocks_kept - (e.num_slots - e.num_evicted) // bs for e in evictions]
         for start, stop in dict.fromkeys((in_piece.start, in_piece.stop) for in_piece, _ in pieces):
             part = slice(start, stop)   # whole sequences, as many as a piece holds
-            part_tables, src, dst = repage(tables[part], kept_pages[part], staying[part], max(given_back[part]),
-                                           len(self.cache.positions))
+            width = max(seq.own_pages.width + pages for seq, pages in zip(seqs[part], room[part]))
+            part_tables, src, dst, widths = repage(tables[part], kept_pages[part], staying[part], max(given_back[part]),
+                                                   len(self.cache.positions),
+                                                   kernels.from_host(room[part], self.device), width)
             for buffer in self.cache.per_slot:
                 buffer[dst] = buffer[src]
             self.pair_counts[1] += (src != dst).sum() * bs
             for seq in seqs[part]:
                 seq.own_pages.slots = seq.num_kv_slots
-            self.head_tables.write([seq.own_pages for seq in seqs[part]], part_tables, kept_lens[part])
+            self.head_tables.write([seq.own_pages for seq in seqs[part]], part_tables, kept_lens[part], widths)
 
     def _choose_pages(self, costs: torch.Tensor, lens: torch.Tensor, kept_slots: torch.Tensor,
                       evictions: list[Eviction]) -> torch.Tensor:

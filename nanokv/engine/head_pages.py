@@ -5,7 +5,8 @@ of a sequence hold the same pairs, in the pages of its blocks (KVCache.pages of 
 table). After an uneven eviction each (layer, KV head) has its own pages and length. They
 live on the device in one table with a row per block-table row (HeadTables), so a step or
 an eviction gathers its sequences' rows in one index, whichever evicted when; the host keeps
-per sequence only the numbers that size the gather (OwnPages).
+per sequence only the numbers that size the gather (OwnPages): a bound of its widest head's
+pages, made exact once the eviction's widths reach the host behind the step (nothing waits).
 """
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ import kernels
 from models import KVCache
 
 
+class Landing:
+    """Device values on their way to the host (kernels.to_host), read once they are there."""
+
+    def __init__(self, values: torch.Tensor):
+        (self.host,), self.ready = kernels.to_host((values,))
+
+    def values(self) -> list[int] | None:
+        """None while the copy has not landed: never waits for it."""
+        return self.host.tolist() if self.ready is None or self.ready.query() else None
+
+
 @dataclass
 class OwnPages:
     """A sequence's part of HeadTables, on the host."""
@@ -26,6 +38,19 @@ class OwnPages:
     width: int    # the row's columns that mean anything: its widest head's pages, or more
     slots: int    # num_kv_slots when the row was written: every head has taken num_kv_slots - slots pairs since
     kept: tuple[torch.Tensor, torch.Tensor] | None = None   # its row, while swapped out (the row is not its own)
+    # Its widest head's pages after an eviction, on their way: where they land, its index there,
+    # and the width written then (what the width grew by since bounds what the heads grew by).
+    exact: tuple[Landing, int, int] | None = None
+
+    def landed(self) -> OwnPages:
+        """Itself, its width made exact (to what evictions since may have added) if that has
+        reached the host."""
+        if self.exact is not None:
+            landing, index, written = self.exact
+            widths = landing.values()
+            if widths is not None:
+                self.width, self.exact = widths[index] + self.width - written, None
+        return self
 
 
 class HeadTables:
@@ -41,6 +66,7 @@ class HeadTables:
     def read(self, owns: list[OwnPages], num_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of owns [S, L, Hkv, W] (W the widest; a narrower row's extra columns name
         pages it never reads) and each head's pairs [S, L, Hkv] when its sequence holds num_slots."""
+        owns = [own.landed() for own in owns]
         rows, taken = kernels.from_host(np.array([[own.row for own in owns],
                                                   [n - own.slots for own, n in zip(owns, num_slots)]]),
                                         self.lens.device)
@@ -50,8 +76,11 @@ class HeadTables:
     def _rows(self, owns: list[OwnPages]) -> torch.Tensor:
         return kernels.from_host(np.array([own.row for own in owns], dtype=np.int64), self.lens.device)
 
-    def write(self, owns: list[OwnPages], tables: torch.Tensor, lens: torch.Tensor) -> None:
-        """Rows of owns := tables [S, L, Hkv, w] and lens [S, L, Hkv] (int32); each own's width becomes w."""
+    def write(self, owns: list[OwnPages], tables: torch.Tensor, lens: torch.Tensor,
+              widths: torch.Tensor | None = None) -> None:
+        """Rows of owns := tables [S, L, Hkv, w] and lens [S, L, Hkv] (int32); each own's width
+        becomes w, made exact by its entry of widths [S] (the device's, if given) once they land
+        (unless an earlier eviction's have yet to: those first)."""
         w = tables.shape[-1]
         if w > self.tables.shape[-1]:
             grown = torch.zeros(*self.tables.shape[:3], max(w, 2 * self.tables.shape[-1]), dtype=torch.int32,
@@ -61,7 +90,10 @@ class HeadTables:
         rows = self._rows(owns)
         self.tables[rows, :, :, :w] = tables
         self.lens[rows] = lens
-        for own in owns:
+        landing = None if widths is None else Landing(widths)
+        for i, own in enumerate(owns):
+            if landing is None or own.exact is None:
+                own.exact = None if landing is None else (landing, i, w)
             own.width = w
 
     def keep_aside(self, own: OwnPages) -> None:

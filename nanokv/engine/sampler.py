@@ -34,12 +34,7 @@ class SampledTokens:
             at = kernels.from_host(self.logprob_rows, logits.device)
             found = logprob_tensors(logits[at], tokens[at].clamp(min=0),
                                     max(seqs[i].params.logprobs for i in self.logprob_rows))
-        self.on_host, self.ready = (tokens, *found), None
-        if tokens is not None and tokens.is_cuda:
-            self.on_host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                                 for t in self.on_host)
-            self.ready = torch.cuda.Event()
-            self.ready.record()
+        self.on_host, self.ready = ((None,), None) if tokens is None else kernels.to_host((tokens, *found))
 
     def read(self) -> list[int]:
         if self.ready is not None:

@@ -76,21 +76,22 @@ def kept_slots(order: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor,
     return (torch.where(valid, movers, last), torch.where(valid, holes, last), valid), new_lens
 
 
-def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int,
+           share_cap: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For S sequences evicted together, whose pages are all distinct: head (s, l, h) now uses
     only the first kept[s, l, h] pages of its table [S, L, H, W]. Its pages in blocks sequence
     s gives back move to unused pages among staying[s] (the pages of the blocks it keeps, -1
     where a sequence keeps fewer than another), the r-th of a sequence's leaving pages in
     (l, h, column) order to its r-th unused one; then every head gets an equal share of its
-    sequence's still unused ones, in order, for the tokens it reads until the next eviction.
-    Every shape is known without reading the device's values but the new width; the pages
-    a sequence uses and keeps are told apart by marks over all num_pages pages (torch.isin
-    would wait for the device).
+    sequence's still unused ones, in order, at most share_cap[s], for the tokens it reads until
+    the next eviction. Every shape is known without reading the device's values (width bounds
+    every head's kept pages and share); the pages a sequence uses and keeps are told apart by
+    marks over all num_pages pages (torch.isin would wait for the device).
 
-    Returns the new tables [S, L, H, W'] (W' the widest sequence's; the others' extra columns
-    page 0) and the moves [S, max_moves]: page src's content goes to dst. max_moves bounds a
-    sequence's leaving pages; the moves past a sequence's own copy a page onto itself.
+    Returns the new tables [S, L, H, width] (columns past a head's pages: page 0), the moves
+    [S, max_moves] (page src's content goes to dst) and each sequence's widest head's pages
+    [S]. max_moves bounds a sequence's leaving pages; the moves past a sequence's own copy a
+    page onto itself.
     """
     S, L, H, W = tables.shape
     device = tables.device
@@ -118,9 +119,8 @@ def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_
     src, dst = torch.where(src >= 0, src, idle), torch.where(dst >= 0, dst, idle)
     rank = unused.cumsum(-1) - 1                                   # among a sequence's unused pages
     spare = unused & (rank >= num_leaving[:, None])
-    share = spare.sum(-1) // (L * H)                               # [S]
+    share = torch.minimum(spare.sum(-1) // (L * H), share_cap)    # [S]
     spare = staying.gather(-1, (~spare).int().argsort(dim=-1, stable=True))   # each sequence's spare pages first
-    width = int((kept.flatten(1).amax(1) + share).max())           # the one wait for the device
     column = torch.arange(width, device=device)
     old = tables.gather(-1, column.clamp(max=W - 1).expand(S, L, H, width))
     extra = column - kept[..., None]                               # index of the spare page a column takes
@@ -128,4 +128,5 @@ def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_
     head = torch.arange(L * H, device=device).view(1, L, H, 1)
     new = spare.gather(-1, (extra.clamp(min=0) * L * H + head).clamp(max=staying.shape[-1] - 1).flatten(1))
     new = torch.where(extra < share, new.view(S, L, H, width), 0)
-    return torch.where(extra < 0, old, new).to(tables.dtype), src.long(), dst.long()
+    widths = kept.flatten(1).amax(1) + share[:, 0, 0, 0]
+    return torch.where(extra < 0, old, new).to(tables.dtype), src.long(), dst.long(), widths

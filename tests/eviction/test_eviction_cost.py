@@ -140,7 +140,7 @@ def test_a_paper_sized_eviction_takes_few_pieces():
 def test_an_eviction_step_runs_the_same_ops_whatever_the_batch_and_layers(tmp_path, method):
     """Counted as launches. kvcompress: a step with a first eviction writes its blocks' pages
     into the head tables first, one that widens them copies them (a few times in all): others
-    run the same ops; its one wait is checked below."""
+    run the same ops."""
     ranking, _, schedule = method.partition("@")
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=ranking, kv_budget=64,
                             evict_every=16, kv_schedule=schedule or None, **({"kv_window": 8} if ranking == "snapkv" else {}))
@@ -162,15 +162,15 @@ def test_an_eviction_step_runs_the_same_ops_whatever_the_batch_and_layers(tmp_pa
                 steps.append(counter.launches)
         llm.runner.evictor.evict = counted
         llm.generate([torch.randint(0, VOCAB, (150,), generator=g).tolist() for _ in range(batch)], params)
-        allowed = ["aten.item.default"] if ranking == "kvcompress" else []
-        assert steps and all(waits(ops) == allowed for ops in steps)
+        assert steps and not [op for ops in steps for op in waits(ops)]
         seen[layers, batch] = {len(ops) for ops in steps}
     assert seen[2, 8] == seen[2, 64] == seen[12, 8], seen
 
 
-def test_a_kvcompress_eviction_waits_for_the_device_once(tmp_path):
-    """Pages given up and moved with shapes known on the host: the new tables' width is the
-    one value read back."""
+def test_a_kvcompress_eviction_never_waits_for_the_device(tmp_path):
+    """Pages given up and moved with shapes known on the host: the new tables' width is a
+    bound the host knows (exact once the eviction's widths land), and prompts of several
+    lengths evict together."""
     make_tiny_model(tmp_path, "llama")
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=200, max_model_len=256, max_num_seqs=16, num_threads=1)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_method="kvcompress", kv_budget=64,
@@ -185,7 +185,7 @@ def test_a_kvcompress_eviction_waits_for_the_device_once(tmp_path):
     llm.runner.evictor.evict = counted
     g = torch.Generator().manual_seed(0)
     llm.generate([torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (150, 90, 120, 200)], params)
-    assert len(steps) > 4 and all(ops == ["aten.item.default"] for ops in steps), steps
+    assert len(steps) > 4 and all(ops == [] for ops in steps), steps
 
 
 def waiting_at() -> str:
@@ -198,8 +198,7 @@ def waiting_at() -> str:
 @pytest.mark.parametrize("method", ["batchmax", "kvcompress"])
 def test_evictions_and_step_inputs_do_not_wait_for_the_gpu(tmp_path, method):
     """What the CPU tests cannot see: a copy from pageable host memory waits for the GPU. The
-    eviction (but kvcompress's new tables' width, in repage), the step's inputs and sampling
-    wait for nothing."""
+    eviction, the step's inputs and sampling wait for nothing."""
     make_tiny_model(tmp_path, "llama")
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=200, max_model_len=256, max_num_seqs=16)
     runner, synced, calls = llm.runner, {"evict": [], "prepare": [], "sample": []}, []
@@ -223,9 +222,4 @@ def test_evictions_and_step_inputs_do_not_wait_for_the_gpu(tmp_path, method):
                             kv_budget=64, evict_every=16)
     g = torch.Generator().manual_seed(0)
     llm.generate([torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (150, 90, 120, 200)], params)
-    assert calls.count("evict") > 4 and synced["prepare"] == synced["sample"] == [], synced
-    if method == "kvcompress":
-        assert {at.split(":")[0] for at in synced["evict"]} == {"repage"}, synced
-        assert len(synced["evict"]) <= calls.count("evict")
-    else:
-        assert synced["evict"] == [], synced
+    assert calls.count("evict") > 4 and synced["prepare"] == synced["sample"] == synced["evict"] == [], synced

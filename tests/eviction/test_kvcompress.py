@@ -81,7 +81,8 @@ def test_page_eviction_takes_the_cheapest_pages_across_heads(seed):
 @pytest.mark.parametrize("tight", [False, True])
 def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out(tight):
     """Two sequences repaged together (their pages distinct): each as if alone, whatever the
-    bound on the moves (tight: the most pages one of them moves)."""
+    bound on the moves (tight: the most pages one of them moves); the second's heads get no
+    more spare pages than its cap, and the tables are as wide as the host's bound says."""
     L, H, W = 2, 3, 4
     g = torch.Generator().manual_seed(0)
     tables = torch.randperm(80, dtype=torch.int32, generator=g)[:2 * L * H * W].view(2, L, H, W)   # some unused
@@ -91,8 +92,10 @@ def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out(tight):
                            for s in range(2)])
     leaving = [sum(p not in staying[s] for l in range(L) for h in range(H) for p in tables[s, l, h, :kept[s, l, h]])
                for s in range(2)]
-    new, src, dst = repage(tables, kept, staying, max(leaving) if tight else L * H * W, 80)
-    assert src.shape == dst.shape == (2, max(leaving) if tight else L * H * W)
+    cap = torch.tensor([5, 1])
+    new, src, dst, widths = repage(tables, kept, staying, max(leaving) if tight else L * H * W, 80, cap, W + 2)
+    assert src.shape == dst.shape == (2, max(leaving) if tight else L * H * W) and new.shape[-1] == W + 2
+    assert widths.tolist() == [int(kept[0].max()) + 1, int(kept[1].max()) + 1]
     pairs = list(zip(src.flatten().tolist(), dst.flatten().tolist()))
     moved = {a: b for a, b in pairs if a != b}
     assert len(moved) == sum(leaving) and not {a for a, b in pairs if a == b} & set(moved.values())   # the rest: no-ops
@@ -102,12 +105,37 @@ def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out(tight):
                                                           if p not in staying[s]}
         share = (len(staying[s]) - int(kept[s].sum())) // (L * H)
         assert share == s + 1
+        share = min(share, int(cap[s]))
         everything = []
         for (l, h), pages in used.items():
             row = new[s, l, h, :kept[s, l, h] + share].tolist()
             assert row[:kept[s, l, h]] == [moved.get(p, p) for p in pages]   # in order, moved where they had to
+            assert not new[s, l, h, kept[s, l, h] + share:].any()
             everything += row
         assert len(set(everything)) == len(everything) and set(everything) <= set(staying[s].tolist())
+
+
+def test_a_width_that_lands_late_keeps_what_evictions_added_since(monkeypatch):
+    """A sequence's width (the columns its rows are read to) is the bound each eviction writes
+    until the exact one (its widest head's pages) reaches the host; one that lands after later
+    evictions adds what their bounds added since: its heads may have grown as much."""
+    from types import SimpleNamespace
+
+    from nanokv.engine.head_pages import HeadTables, Landing, OwnPages
+
+    values, blocked = Landing.values, [True]
+    monkeypatch.setattr(Landing, "values", lambda landing: None if blocked[0] else values(landing))
+    head_tables = HeadTables(2, SimpleNamespace(num_layers=1, num_kv_heads=1, k=torch.zeros(1)))
+    own, lens = OwnPages(row=1, width=0, slots=0), torch.zeros(1, 1, 1, dtype=torch.int32)
+
+    def evicted(width: int, widest: int) -> int:   # the width a read then takes
+        head_tables.write([own], torch.arange(width, dtype=torch.int32).view(1, 1, 1, width), lens,
+                          torch.tensor([widest]))
+        return head_tables.read([own], [0])[0].shape[-1]
+    assert evicted(6, 4) == 6 and evicted(8, 5) == 8   # bounds, while nothing lands
+    blocked[0] = False
+    assert head_tables.read([own], [0])[0].shape[-1] == 4 + 8 - 6   # the first landed: 4, and 2 added since
+    assert evicted(9, 3) == 3 and head_tables.tables.shape[-1] == 12   # landed at once; the table grew
 
 
 # ----- the model oracle -------------------------------------------------------------------
@@ -259,11 +287,29 @@ def test_kvcompress_keeps_what_the_oracle_keeps(model, bs):
     assert llm.runner.kv_cache.num_blocks == llm.scheduler.blocks.num_free   # every block went back
 
 
-@pytest.mark.parametrize("schedule", ["prefill", "decode"])
-def test_kvcompress_sequences_evicting_together_keep_what_each_keeps_alone(model, schedule):
+@pytest.mark.parametrize("schedule, late", [("prefill", False), ("decode", False), ("prefill", True)])
+def test_kvcompress_sequences_evicting_together_keep_what_each_keeps_alone(model, schedule, late, monkeypatch):
     """Prompts of one length under one method evict in the same steps, as one group (pages
     chosen and moved together, before and after their heads have pages of their own): each
-    keeps the oracle's positions and tokens."""
+    keeps the oracle's positions and tokens. late: the widths an eviction leaves reach the host
+    only after two more queries, as on a GPU that is behind (the next evictions take bounds)."""
+    from nanokv.engine import evict
+    from nanokv.engine.head_pages import Landing
+
+    if late:
+        values, queried = Landing.values, {}
+
+        def landing_late(landing):
+            queried[id(landing)] = queried.get(id(landing), 0) + 1
+            return values(landing) if queried[id(landing)] > 6 else None
+        monkeypatch.setattr(Landing, "values", landing_late)
+    repage, bounds = evict.repage, []
+
+    def bounded(*args):
+        new_tables, src, dst, widths = repage(*args)
+        bounds.append((args[-1], int(widths.max())))   # the host's bound, the widest head's pages
+        return new_tables, src, dst, widths
+    monkeypatch.setattr(evict, "repage", bounded)
     path, _, oracle = model
     llm = engine(path, block_size=4)
     prompts = [prompt(60, seed=seed) for seed in range(3)]
@@ -274,6 +320,8 @@ def test_kvcompress_sequences_evicting_together_keep_what_each_keeps_alone(model
         problems += differences(f"{schedule} prompt seed {seed}", out, tokens, kept)
     assert not problems, "\n".join(problems)
     assert llm.runner.kv_cache.num_blocks == llm.scheduler.blocks.num_free
+    assert bounds and all(bound >= widest for bound, widest in bounds), bounds
+    assert not late or max(queried.values()) > 6   # the bounds were taken, then the widths landed
 
 
 def test_kvcompress_beside_other_methods_and_preempted(gqa):
