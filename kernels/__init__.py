@@ -115,7 +115,7 @@ def to_host(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...]
     """Device tensors copied to the host behind what is queued, without the host waiting: the
     copies (pinned) and the event after which they hold the values (None: they are the tensors,
     already on the host)."""
-    if not tensors[0].is_cuda:
+    if not tensors or not tensors[0].is_cuda:
         return tensors, None
     copies = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors)
     ready = torch.cuda.Event()

@@ -73,9 +73,6 @@ class HeadTables:
         width = max(own.width for own in owns)
         return self.tables[rows, :, :, :width], self.lens[rows] + taken[:, None, None].to(torch.int32)
 
-    def _rows(self, owns: list[OwnPages]) -> torch.Tensor:
-        return kernels.from_host(np.array([own.row for own in owns], dtype=np.int64), self.lens.device)
-
     def write(self, owns: list[OwnPages], tables: torch.Tensor, lens: torch.Tensor,
               widths: torch.Tensor | None = None) -> None:
         """Rows of owns := tables [S, L, Hkv, w] and lens [S, L, Hkv] (int32); each own's width
@@ -87,7 +84,7 @@ class HeadTables:
                                 device=self.tables.device)
             grown[..., :self.tables.shape[-1]] = self.tables
             self.tables = grown
-        rows = self._rows(owns)
+        rows = kernels.from_host(np.array([own.row for own in owns], dtype=np.int64), self.lens.device)
         self.tables[rows, :, :, :w] = tables
         self.lens[rows] = lens
         landing = None if widths is None else Landing(widths)

@@ -21,7 +21,7 @@ from nanokv.engine.block_table import BlockTables
 from nanokv.engine.cuda_graphs import DecodeGraphs
 from nanokv.engine.head_pages import HeadTables
 from nanokv.engine.offload_costs import PositionCost, best_split, measure_link_and_device
-from nanokv.engine.sampler import SampledTokens, Sampler, token_logprobs
+from nanokv.engine.sampler import SampledTokens, Sampler, logprob_tensors
 from nanokv.engine.scheduler import ScheduledBatch
 from nanokv.engine.sequence import Sequence
 from nanokv.engine.timing import StepClock
@@ -147,7 +147,7 @@ class ModelRunner:
                 for n, start, nb in zip(lengths, starts, blocks)]
         step = self.prepare(ScheduledBatch(seqs, list(lengths)), scratch)
         hidden = self.model(step.input_ids, step.positions, scratch, step.meta)
-        self._record_prompt_logprobs(hidden, step)
+        self._prompt_logprobs(hidden, step)
         rows = hidden[-self.config.max_num_seqs:]
         params = [SamplingParams(top_p=0.9)] * len(rows)   # sorts the vocabulary
         Sampler(self.device, 0)(self.model.compute_logits(rows), params, [None] * len(rows))
@@ -335,9 +335,8 @@ class ModelRunner:
         with on_device(self.device):
             self._swap(batch)
             clock.lap("swap")
-            if batch.copies:
-                cached, own = zip(*batch.copies)
-                self.kv_cache.copy_blocks(list(cached), list(own))
+            if batch.copies:   # (cached, own) pairs
+                self.kv_cache.copy_blocks(*(list(blocks) for blocks in zip(*batch.copies)))
             self.evictor.evict(batch.evictions)
             clock.lap("evict")
             step = self.prepare(batch)
@@ -353,13 +352,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[self._to_device(step.sample_rows, np.int64)]) \
                 if step.sample_rows else None
             clock.lap("forward")
-            self._record_prompt_logprobs(hidden, step)
-            seqs, sampled = step.sampled_seqs, (None, {})
+            seqs, sampled = step.sampled_seqs, (None, {}, None)
             if logits is not None:
                 tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs,
                                       self.last_sampled)
                 sampled = (tokens, dict(self.sampler.errors), logits)
-            self.last_sampled = SampledTokens(seqs, *sampled)
+            self.last_sampled = SampledTokens(seqs, *sampled, self._prompt_logprobs(hidden, step))
             clock.lap("sample")
             return self.last_sampled
 
@@ -388,13 +386,15 @@ class ModelRunner:
         with on_device(self.device):
             return self.evictor.kept_positions(seq)
 
-    def _record_prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> None:
-        """Score each prompt token by the logits of the row before it, a slice at a time
-        (a full [rows, vocab] matrix for a long chunk would be large)."""
-        for at in range(0, len(step.logprob_rows), LOGPROB_SLICE):
-            targets = step.logprob_targets[at:at + LOGPROB_SLICE]
-            logits = self.model.compute_logits(hidden[step.logprob_rows[at:at + LOGPROB_SLICE]])
-            found = token_logprobs(logits, [seq.prompt_token_ids[i] for seq, i in targets],
-                                   [seq.params.logprobs or 0 for seq, _ in targets])
-            for (seq, i), logprob in zip(targets, found):
-                seq.prompt_logprobs[i] = logprob
+    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> tuple[list, tuple[torch.Tensor, ...]]:
+        """The prompt tokens the step scores, by the logits of the row before each, and their logprob_tensors,
+        a slice of rows at a time (a [rows, vocab] matrix of a long chunk would be large): SampledTokens' prompt."""
+        targets = step.logprob_targets
+        if not targets:
+            return [], ()
+        rows = self._to_device(step.logprob_rows, np.int64)
+        tokens = self._to_device([seq.prompt_token_ids[i] for seq, i in targets], np.int64)
+        num_top = max(seq.params.logprobs or 0 for seq, _ in targets)
+        found = [logprob_tensors(self.model.compute_logits(hidden[rows[at:at + LOGPROB_SLICE]]),
+                                 tokens[at:at + LOGPROB_SLICE], num_top) for at in range(0, len(rows), LOGPROB_SLICE)]
+        return targets, tuple(torch.cat(column) for column in zip(*found))

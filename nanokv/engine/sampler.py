@@ -21,12 +21,14 @@ class SampledTokens:
     """A step's sampled tokens, one per sequence of seqs (None: it sampled none): on the device,
     where the next step reads those it feeds, and copied to the host behind the step: read()
     waits for that copy only, not for what was launched after it. errors: the rows that could
-    not be sampled (Sampler.errors). From the step's logits, the rows whose request asks for
-    logprobs get their logprob_tensors, copied with the tokens (read_logprobs; a row that could
-    not be sampled gets some, never read: its request ends with an error)."""
+    not be sampled (Sampler.errors). Copied with the tokens: the logprob_tensors of the rows
+    whose request asks for logprobs, from the step's logits (a row that could not be sampled
+    gets some, never read: its request ends with an error), and prompt: the prompt tokens the
+    step scored, (sequence, position) each, and their logprob_tensors (read_logprobs)."""
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None, errors: dict[int, Exception],
-                 logits: torch.Tensor | None = None):
+                 logits: torch.Tensor | None = None,
+                 prompt: tuple[list[tuple[Sequence, int]], tuple[torch.Tensor, ...]] = ([], ())):
         self.seqs, self.on_device, self.errors = seqs, tokens, errors
         self.logprob_rows = [] if logits is None else [i for i, seq in enumerate(seqs) if seq.logprobs is not None]
         found = ()
@@ -34,19 +36,31 @@ class SampledTokens:
             at = kernels.from_host(self.logprob_rows, logits.device)
             found = logprob_tensors(logits[at], tokens[at].clamp(min=0),
                                     max(seqs[i].params.logprobs for i in self.logprob_rows))
-        self.on_host, self.ready = ((None,), None) if tokens is None else kernels.to_host((tokens, *found))
+        self.prompt_targets, prompt_found = prompt
+        parts = (() if tokens is None else (tokens,), found, prompt_found)
+        on_host, self.ready = kernels.to_host(sum(parts, ()))
+        on_host = iter(on_host)
+        self.on_host = [tuple(next(on_host) for _ in part) for part in parts]
 
     def read(self) -> list[int]:
         if self.ready is not None:
             self.ready.synchronize()
-        return [] if self.on_host[0] is None else self.on_host[0].tolist()
+        return self.on_host[0][0].tolist() if self.on_host[0] else []
 
     def read_logprobs(self, tokens: list[int]) -> dict[int, TokenLogprob]:
-        """After read() gave tokens: the TokenLogprob of each row that asked."""
+        """After read() gave tokens: each scored prompt token's TokenLogprob put in its sequence's
+        prompt_logprobs; returns the TokenLogprob of each sampled row that asked."""
+        targets = self.prompt_targets
+        if targets:
+            found = as_token_logprobs([seq.prompt_token_ids[i] for seq, i in targets],
+                                      *(t.tolist() for t in self.on_host[2]),
+                                      [seq.params.logprobs or 0 for seq, _ in targets])
+            for (seq, i), logprob in zip(targets, found):
+                seq.prompt_logprobs[i] = logprob
         rows = self.logprob_rows
         if not rows:
             return {}
-        found = as_token_logprobs([tokens[i] for i in rows], *(t.tolist() for t in self.on_host[1:]),
+        found = as_token_logprobs([tokens[i] for i in rows], *(t.tolist() for t in self.on_host[1]),
                                   [self.seqs[i].params.logprobs for i in rows])
         return dict(zip(rows, found))
 
@@ -202,9 +216,3 @@ def as_token_logprobs(tokens: list[int], chosen: list[float], top_logprobs: list
     """logprob_tensors' values, read on the host, as each row's TokenLogprob with its own num_top."""
     return [TokenLogprob(token, logprob, tops[0], top_lps[0], list(zip(tops[:k], top_lps[:k])))
             for token, logprob, top_lps, tops, k in zip(tokens, chosen, top_logprobs, top_tokens, num_top)]
-
-
-def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[TokenLogprob]:
-    """Each row's TokenLogprob of its token, with the row's num_top most likely tokens."""
-    found = logprob_tensors(logits, torch.tensor(tokens, device=logits.device), max(num_top))
-    return as_token_logprobs(tokens, *(t.tolist() for t in found), num_top)

@@ -133,16 +133,34 @@ def test_a_step_launches_before_the_tokens_of_the_one_before_are_read(tiny_dir, 
     assert all(events[i][0] != events[i + 1][0] for i in range(len(events) - 1))   # launch, read, launch, ...
 
 
+def test_prompt_logprobs_are_read_with_the_tokens_not_at_launch(tiny_dir, monkeypatch):
+    """A prompt read in chunks: each chunk's logprobs stay on the device when its step is
+    launched (nothing waits for them there), and are all there when the request ends."""
+    llm = engine(tiny_dir, True, num_kv_blocks=160, max_num_batched_tokens=32)
+    run, at_launch = llm.runner.run, []
+
+    def launch(batch, clock=None):
+        sampled = run(batch, clock)
+        at_launch.extend(seq.prompt_logprobs[i] for seq, i in sampled.prompt_targets)
+        return sampled
+    monkeypatch.setattr(llm.runner, "run", launch)
+    out = llm.generate(preemption_prompts()[0], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=True,
+                                                               logprobs=1))[0]
+    assert len(at_launch) == len(out.prompt_token_ids) - 1 > 32 and set(at_launch) == {None}
+    assert all(lp is not None for lp in out.prompt_logprobs[1:]) and len(out.logprobs) == 4
+
+
 def test_overlap_steps_is_checked(tiny_dir):
     with pytest.raises((TypeError, ValueError), match="overlap_steps"):
         LLM(str(tiny_dir), dtype="float32", overlap_steps="yes")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["full", "batchmax"])
+@pytest.mark.parametrize("method", ["full", "batchmax", "kvcompress"])
 def test_a_step_is_launched_without_waiting_for_the_gpu(tiny_dir, method):
     """What the CPU tests cannot see: from the swap to the sampled tokens' copy, a step makes
-    the host wait for the device nowhere (a sync-debug warning would say where)."""
+    the host wait for the device nowhere (a sync-debug warning would say where), with logprobs
+    of the prompt and of the tokens sampled."""
     llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, num_kv_blocks=200, device="cuda")
     run, waits, launches = llm.runner.run, [], []
 
@@ -157,7 +175,8 @@ def test_a_step_is_launched_without_waiting_for_the_gpu(tiny_dir, method):
             finally:
                 torch.cuda.set_sync_debug_mode(0)
     evicts = {} if method == "full" else dict(kv_method=method, kv_budget=64, evict_every=16)
-    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, ignore_eos=True, **evicts)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=True, **evicts)
     llm.generate(preemption_prompts(), params)   # the decode graphs captured (that waits) before
     llm.runner.run = watched
     llm.generate(preemption_prompts(), params)
