@@ -41,11 +41,15 @@ class SampledTokens:
         on_host, self.ready = kernels.to_host(sum(parts, ()))
         on_host = iter(on_host)
         self.on_host = [tuple(next(on_host) for _ in part) for part in parts]
+        self.tokens: list[int] | None = None   # read
 
     def read(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.on_host[0][0].tolist() if self.on_host[0] else []
+        """The tokens, on the host (read once: the next step's sampler may read them first)."""
+        if self.tokens is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self.tokens = self.on_host[0][0].tolist() if self.on_host[0] else []
+        return self.tokens
 
     def read_logprobs(self, tokens: list[int]) -> dict[int, TokenLogprob]:
         """After read() gave tokens: each scored prompt token's TokenLogprob put in its sequence's
