@@ -31,6 +31,7 @@ from nanokv.engine.sequence import Sequence
 from nanokv.eviction import HeldPairs, KVMethod
 from nanokv.eviction.holes import hole_moves, lowest
 from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, page_costs, repage
+from nanokv.eviction.press import attention_view
 
 PIECE_BYTES = 256 * 2**20
 # What ranking and choosing allocate per held pair, all of it counted (tests/eviction/test_eviction_cost.py
@@ -42,9 +43,12 @@ UNEVEN_RANKED_PAIR_BYTES = 384
 
 def ranked_pair_bytes(head_dim: int, kv_dtype: torch.dtype, method: KVMethod) -> int:
     """What ranking one held pair allocates under method: a ranking that reads keys (K-norm)
-    also takes each key, dequantized, in fp32."""
-    keys = head_dim * (kv_dtype.itemsize + 4) + 4 if method.ranking.reads_keys else 0
-    return (UNEVEN_RANKED_PAIR_BYTES if method.uneven else RANKED_PAIR_BYTES) + keys
+    also takes each key, dequantized, in fp32; one that reads values too (a press), each value,
+    and both again in position order."""
+    ranking = method.ranking
+    read = head_dim * (kv_dtype.itemsize + 4) + 4
+    reads = 4 * read if ranking.reads_values else read if ranking.reads_keys else 0
+    return (UNEVEN_RANKED_PAIR_BYTES if method.uneven else RANKED_PAIR_BYTES) + reads
 
 
 def moved_pair_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
@@ -56,7 +60,7 @@ def moved_pair_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
 def reserve_bytes(num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, max_model_len: int) -> int:
     """What eviction allocates at most at once: a piece, or one layer of a sequence as long as it
     gets, ranked by the costliest ranking and every pair moved."""
-    worst = max(UNEVEN_RANKED_PAIR_BYTES, RANKED_PAIR_BYTES + head_dim * (kv_dtype.itemsize + 4) + 4)
+    worst = max(UNEVEN_RANKED_PAIR_BYTES, RANKED_PAIR_BYTES + 4 * (head_dim * (kv_dtype.itemsize + 4) + 4))
     return max(PIECE_BYTES, num_kv_heads * max_model_len * (worst + moved_pair_bytes(head_dim, kv_dtype)))
 
 
@@ -79,8 +83,9 @@ def read_slots(per_slot: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Te
 
 
 class Evictor:
-    def __init__(self, cache: KVCache, head_tables: HeadTables, shard: Shard = Shard()):
+    def __init__(self, cache: KVCache, head_tables: HeadTables, num_heads: int, shard: Shard = Shard()):
         self.cache, self.block_size, self.device = cache, cache.block_size, cache.k.device
+        self.num_heads = num_heads   # this rank's query heads (what a press reads of a layer's shapes)
         self.head_tables = head_tables   # an uneven method's own pages, after its first eviction
         self.shard = shard   # a split model's replicated KV heads sum their scores over their replicas
         # Since the engine started, over this rank's heads: the pairs evictions dropped and those
@@ -105,7 +110,7 @@ class Evictor:
             tables = self._tables(seqs, num_slots)
             for in_piece, layers in self._pieces(len(seqs), seqs[0].method, num_slots, num_evicted):
                 piece = tables[in_piece, layers]
-                evicted = self._evicted(seqs[in_piece], piece, num_slots, num_evicted)
+                evicted = self._evicted(seqs[in_piece], piece, num_slots, num_evicted, layers)
                 src, dst, valid = hole_moves(evicted, num_slots)
                 kernels.move_slots(self.cache.per_slot, piece, src, dst)   # the rest move a slot onto itself
                 self.pair_counts[0] += evicted.numel()
@@ -126,24 +131,33 @@ class Evictor:
         rows = [seq.block_table.row for seq in seqs]
         return self.cache.pages(kernels.from_host(seqs[0].block_table.tables.ids[rows, :nb], self.device))
 
-    def _held(self, seqs: list[Sequence], tables: torch.Tensor, n: int, lens: torch.Tensor | None = None) -> HeldPairs:
+    def _held(self, seqs: list[Sequence], tables: torch.Tensor, n: int, lens: torch.Tensor | None = None,
+              num_evicted: int = 0, layers: slice = slice(None)) -> HeldPairs:
+        """What the sequences' heads hold in their first n slots through tables [S, L, H, nb]: the
+        layers `layers` of the model."""
         current = kernels.from_host([seq.num_computed_tokens - 1 for seq in seqs], self.device)
         scores = self.shard.sum_over_replicas(read_slots(self.cache.scores, tables, n))
-        return HeldPairs(read_slots(self.cache.positions, tables, n), scores,
-                         current=current[:, None, None, None], key_norms=lambda: self._key_norms(tables, n), lens=lens)
+        first, cache = layers.start or 0, self.cache
+        return HeldPairs(read_slots(cache.positions, tables, n), scores, current=current[:, None, None, None],
+                         key_norms=lambda: self._keys(tables, n, cache.k).norm(dim=-1), lens=lens,
+                         num_evicted=num_evicted,
+                         keys_values=lambda: (self._keys(tables, n, cache.k), self._keys(tables, n, cache.v, 1)),
+                         attention=lambda i: attention_view(first + i, self.num_heads, cache.num_kv_heads,
+                                                            cache.k.shape[-1]))
 
-    def _key_norms(self, tables: torch.Tensor, n: int) -> torch.Tensor:
-        """[S, L, H, n]: the L2 norms of the keys of the first n slots, dequantized if the cache is
-        quantized, in fp32 at least (float64 stays float64)."""
+    def _keys(self, tables: torch.Tensor, n: int, cache: torch.Tensor, scale: int = 0) -> torch.Tensor:
+        """[S, L, H, n, head_dim]: the keys (or values, cache.v and scale 1) of the first n slots,
+        dequantized if the cache is quantized, in fp32 at least (float64 stays float64)."""
         scales = self.cache.kv_scales
-        keys = kernels.dequantize(read_slots(self.cache.k, tables, n),
-                                  None if scales is None else read_slots(scales, tables, n)[..., 0])
-        return keys.to(torch.promote_types(keys.dtype, torch.float32)).norm(dim=-1)
+        keys = kernels.dequantize(read_slots(cache, tables, n),
+                                  None if scales is None else read_slots(scales, tables, n)[..., scale])
+        return keys.to(torch.promote_types(keys.dtype, torch.float32))
 
-    def _evicted(self, seqs: list[Sequence], tables: torch.Tensor, num_slots: int, num_evicted: int) -> torch.Tensor:
-        """[S, L, H, num_evicted] ascending slot indices each head drops of its first num_slots,
-        by the sequences' common rule: the lowest priorities, ties by position."""
-        held = self._held(seqs, tables, num_slots)
+    def _evicted(self, seqs: list[Sequence], tables: torch.Tensor, num_slots: int, num_evicted: int,
+                 layers: slice = slice(None)) -> torch.Tensor:
+        """[S, L, H, num_evicted] ascending slot indices each head drops of its first num_slots (of
+        the model's layers `layers`), by the sequences' common rule: the lowest priorities, ties by position."""
+        held = self._held(seqs, tables, num_slots, num_evicted=num_evicted, layers=layers)
         return lowest(seqs[0].method.keep_priority(held), held.positions, num_evicted)
 
     def _own_pages(self, seqs: list[Sequence], num_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,7 +72,7 @@ class ModelRunner:
             self.kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
             self.host_cache = self._host_tier()
             self.head_tables = HeadTables(config.max_num_seqs, self.kv_cache)
-            self.evictor = evict.Evictor(self.kv_cache, self.head_tables, model.shard)
+            self.evictor = evict.Evictor(self.kv_cache, self.head_tables, model_config.num_heads, model.shard)
             self.sampler = Sampler(device, config.seed)
             self.last_sampled: SampledTokens | None = None   # what the sequences with a token pending feed next
             self.graphs = None

@@ -26,7 +26,7 @@ class KVMethod:
     @property
     def rule(self) -> tuple:
         """What decides which pairs go: sequences with the same rule are ranked together."""
-        return (self.name, self.sinks, self.recent, self.ranking.window, getattr(self.ranking, "pool", None))
+        return (self.name, self.sinks, self.recent, *self.ranking.settings)
 
     @property
     def windowed(self) -> bool:

@@ -25,6 +25,10 @@ class HeldPairs:
     current: torch.Tensor              # [S, 1, 1, 1]: position of each sequence's last query processed
     key_norms: Callable[[], torch.Tensor]   # -> [S, L, H, n] L2 norms of the keys: read only for a ranking that asks
     lens: torch.Tensor | None = None   # [S, L, H]: pairs per head, when heads hold different numbers
+    num_evicted: int = 0               # pairs each head drops, when they all drop as many
+    keys_values: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None   # -> K, V [S, L, H, n, head_dim],
+    #                                                                                dequantized: for a press
+    attention: Callable[[int], object] | None = None   # L index -> what a press may read of that layer's attention
 
 
 class Ranking:
@@ -34,12 +38,18 @@ class Ranking:
     skip = 0                       # a query adds nothing to the keys fewer than `skip` positions before it
     squares_scores = False         # scores add squared probabilities (KV-Compress's L2 metric)
     uneven = False                 # heads keep different numbers of pairs: whole pages go (KV-Compress)
-    reads_keys = False             # keep_priority reads held.key_norms()
+    reads_keys = False             # keep_priority reads the keys (held.key_norms(), held.keys_values())
+    reads_values = False           # and the values (held.keys_values())
     default_schedule = "prefill"
     default_sinks = 0
 
     def default_recent(self, budget: int) -> int:
         return 0
+
+    @property
+    def settings(self) -> tuple:
+        """What besides its name tells this ranking's choices from another's."""
+        return self.window, getattr(self, "pool", None)
 
     def keep_priority(self, held: HeldPairs) -> torch.Tensor:
         """[..., L, H, n]: each pair's worth, the lowest evicted first; unless a ranking says

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from nanokv.checks import check_bool, check_choice, check_int
 from nanokv.eviction.method import KVMethod
+from nanokv.eviction.press import PressRanking, check_press, press_by_name
 from nanokv.eviction.rankings import RANKINGS, AverageAttention, ObservationWindow, Ranking, Recency, SquaredAttention
 from nanokv.eviction.schedules import SCHEDULES, ExtremeDecoding
 
@@ -31,6 +32,8 @@ class EvictionSettings:
     kv_window: int | None = None        # snapkv, kvcompress: queries in the observation window; None: 32, 8
     kv_pool: int | None = None          # snapkv: odd max-pooling kernel over neighbouring slots; None: 7
     kv_score_all: bool | None = None    # kvcompress: KVC-full, every query but the kv_window nearest; None: False
+    kv_press: object | None = None      # a kvpress ScorerPress: the ranking, kv_method None (eviction/press.py);
+                                        # or {"name": its class name, "args": {...}}, as JSON gives it
 
     def check_eviction_settings(self) -> None:
         """Each setting on its own: a TypeError or ValueError naming the first bad one."""
@@ -43,16 +46,23 @@ class EvictionSettings:
         check_int("kv_window", self.kv_window, 1, optional=True)
         check_int("kv_pool", self.kv_pool, 1, optional=True)
         check_bool("kv_score_all", self.kv_score_all, optional=True)
+        if isinstance(self.kv_press, dict):   # as JSON gives it
+            self.kv_press = press_by_name(self.kv_press)
+        if self.kv_press is not None:
+            check_press(self.kv_press)
 
 
 # The settings only some rankings take (any other refuses them), and those no full cache or ed takes.
-OWNERS = {"kv_window": ("snapkv", "kvcompress"), "kv_pool": ("snapkv",), "kv_score_all": ("kvcompress",)}
+OWNERS = {"kv_window": ("snapkv", "kvcompress"), "kv_pool": ("snapkv",), "kv_score_all": ("kvcompress",),
+          "kv_press": ("press",)}
 EVICTION_ONLY = ("kv_schedule", "kv_sinks", "kv_recent", *OWNERS)
 
 
 def applies(setting: str, method: str) -> bool:
     """Whether `setting` means anything to the ranking `method` (full and ed take only a budget
-    and p; decode_only has its schedule)."""
+    and p; decode_only has its schedule; a press is the ranking: it takes no kv_method)."""
+    if setting == "kv_method":
+        return method != "press"
     if method in ("full", "ed") and setting in EVICTION_ONLY:
         return False
     if setting == "kv_schedule":
@@ -64,27 +74,36 @@ def method_for(request: EvictionSettings, engine: EvictionSettings, block_size: 
     """The request's method: each setting it leaves None takes the engine's, then the
     combination is checked (make_method). A request that names its own kv_method takes only
     the engine's settings that mean something to that method: a full-cache request on an
-    engine whose default is h2o under the prefill schedule does not take the schedule."""
+    engine whose default is h2o under the prefill schedule does not take the schedule. A request
+    that gives a press names its method (press), and an engine's default press is its default method."""
+    own = "press" if request.kv_press is not None else request.kv_method
+
     def setting(name: str):
         value = getattr(request, name)
         if value is not None:
             return value
-        if request.kv_method is not None and not applies(name, request.kv_method):
+        if own is not None and not applies(name, own):
             return None
         return getattr(engine, name)
     return make_method(setting("kv_method"), setting("kv_schedule"), setting("kv_budget"), setting("evict_every"),
                        block_size, sinks=setting("kv_sinks"), recent=setting("kv_recent"),
-                       window=setting("kv_window"), pool=setting("kv_pool"), score_all=setting("kv_score_all"))
+                       window=setting("kv_window"), pool=setting("kv_pool"), score_all=setting("kv_score_all"),
+                       press=setting("kv_press"))
 
 
 def make_method(name: str | None, schedule: str | None, budget: int | None, evict_every: int | None,
                 block_size: int, *, sinks: int | None = None, recent: int | None = None, window: int | None = None,
-                pool: int | None = None, score_all: bool | None = None) -> KVMethod:
+                pool: int | None = None, score_all: bool | None = None, press=None) -> KVMethod:
     """The method of settings each already checked on its own, or a ValueError naming what is
     wrong with their combination. No name: the full cache, or with a budget the recommended
     method (below). None for budget and evict_every: DEFAULT_BUDGET and DEFAULT_EVERY; for
-    schedule, sinks, recent, window, pool or score_all: the ranking's default."""
+    schedule, sinks, recent, window, pool or score_all: the ranking's default. A press (checked
+    on its own) is the ranking: no name."""
     evict_every = DEFAULT_EVERY if evict_every is None else evict_every
+    if press is not None:
+        if name is not None:
+            raise ValueError(f"kv_press is the request's ranking: kv_method must be None, got {name!r}")
+        name = "press"
     if name is None and budget is not None:
         # Of all that evict while reading the prompt, the closest to the full cache in
         # docs/ACCURACY.md: average attention, 4 sinks and half of what stays after an
@@ -94,7 +113,7 @@ def make_method(name: str | None, schedule: str | None, budget: int | None, evic
         recent = max(budget - evict_every, 0) // 2 if recent is None else recent
     name = name or "full"
     budget = DEFAULT_BUDGET if budget is None else budget
-    for field, value in (("kv_window", window), ("kv_pool", pool), ("kv_score_all", score_all)):
+    for field, value in (("kv_window", window), ("kv_pool", pool), ("kv_score_all", score_all), ("kv_press", press)):
         if value is not None and name not in OWNERS[field]:
             raise ValueError(f"{field} is a setting of {' and '.join(OWNERS[field])} only; it must be None for "
                              f"{name}, got {value!r}")
@@ -116,7 +135,7 @@ def make_method(name: str | None, schedule: str | None, budget: int | None, evic
         ranking, schedule = AverageAttention(), "decode"
     else:
         ranking = (_windowed(name, budget, window, pool, score_all) if name in ("snapkv", "kvcompress")
-                   else RANKINGS[name]())
+                   else PressRanking(press) if name == "press" else RANKINGS[name]())
         schedule = schedule or ranking.default_schedule
     if schedule == "once":
         room = budget - 1

@@ -34,7 +34,7 @@ class Method(NamedTuple):
 def method_list(names: list[str], budgets: list[int], ed_budgets: list[int]) -> list[Method]:
     """Every named method at each of its budgets: ed at --ed-budgets, the others at --budgets."""
     def budgets_of(name):
-        ranking = parse_spec(name)["kv_method"]
+        ranking = parse_spec(name).get("kv_method")   # None: a press
         return [None] if ranking == "full" else ed_budgets if ranking == "ed" else budgets
     return [Method(name, budget) for name in names for budget in budgets_of(name)]
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from unittest.mock import patch
 
+import kvpress
 import pytest
 import torch
 
@@ -63,6 +64,9 @@ def test_two_ranks_give_one_rank_s_tokens_and_kept_positions(tiny_dir, split):
         assert_same(run(two, method), run(one, method))
     assert two.stats().preemptions == one.stats().preemptions > 0
     assert_same(run(two, "kvcompress"), run(one, "kvcompress"))
+    pressed = [dataclasses.replace(p, kv_method=None, kv_press=kvpress.LagKVPress(lag_size=4), kv_schedule="prefill")
+               for p in params("knorm")]   # each rank's press scores its own heads
+    assert_same(two.generate(prompts(), pressed), one.generate(prompts(), pressed))
     constrained = [dataclasses.replace(p, structured_output=StructuredOutput(regex=r"[a-z ]{30,44}"))
                    for p in params("batchmax")]   # rank 0's matchers; the workers never see them
     assert_same(two.generate(prompts(), constrained), one.generate(prompts(), constrained))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import kvpress
 import pytest
 
 from nanokv import LLM, SamplingParams
@@ -182,6 +183,11 @@ BAD_REQUESTS = [   # (endpoint, body, status, param)
      "stream_options"),
     ("completions", {"prompt": "hi", "kv_method": "magic"}, 400, "kv_method"),
     ("completions", {"prompt": "hi", "kv_method": "batchmax", "kv_budget": 3}, 400, "kv_budget"),
+    ("completions", {"prompt": "hi", "kv_press": {"name": "MagicPress"}}, 400, "kv_press"),
+    ("completions", {"prompt": "hi", "kv_press": {"name": "SnapKVPress"}}, 400, "kv_press"),
+    ("completions", {"prompt": "hi", "kv_press": {"name": "KnormPress", "args": {"compression_ratio": 0.5}}}, 400,
+     "kv_press"),
+    ("completions", {"prompt": "hi", "kv_press": "KnormPress"}, 400, "kv_press"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages"),
@@ -429,3 +435,12 @@ def test_the_sampling_knobs_as_clients_send_them(client, reference):
     prompt = reference.tokenizer.encode(template, add_special_tokens=False)
     expected = reference.generate([prompt], SamplingParams(temperature=0, max_tokens=12, **knobs))[0]
     assert chat.choices[0].message.content == expected.text
+
+
+def test_a_press_named_in_the_body_runs_as_in_generate(client, reference):
+    prompt = "A press of kvpress ranks the pairs nanokv keeps."
+    expected = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, kv_budget=16,
+                                                         kv_press=kvpress.LagKVPress(lag_size=4)))[0].text
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={
+        "ignore_eos": True, "kv_budget": 16, "kv_press": {"name": "LagKVPress", "args": {"lag_size": 4}}})
+    assert out.choices[0].text == expected != reference.generate(prompt, greedy(8))[0].text   # it evicted

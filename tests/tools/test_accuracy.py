@@ -1,5 +1,6 @@
 """The accuracy harness (nanokv/tools/accuracy.py): its arithmetic and documents without a
 model, then one tiny end-to-end run on the bundled model."""
+import argparse
 import json
 import math
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ import pytest
 from helpers import make_tiny_model
 from nanokv.tools import accuracy
 from nanokv.tools.accuracy import Source
-from nanokv.tools.method_spec import parse_spec, schedule_name
+from nanokv.tools.method_spec import parse_spec, schedule_name, spec_argument
 
 
 def logprobs(values, top_tokens=None):
@@ -95,6 +96,18 @@ def test_method_specs_name_a_ranking_a_schedule_and_settings():
                          ("h2o,sink=4", "bad setting 'sink=4'"), ("h2o,sinks=-1", "bad setting 'sinks=-1'")):
         with pytest.raises(ValueError, match=message):
             parse_spec(bad)
+
+
+def test_a_method_spec_may_name_a_press_and_its_fields():
+    assert parse_spec("LagKVPress@prefill,lag_size=8,every=32,cross_scoring=true") == {
+        "kv_press": {"name": "LagKVPress", "args": {"lag_size": 8, "cross_scoring": True}}, "kv_schedule": "prefill",
+        "evict_every": 32}
+    assert schedule_name(parse_spec("KnormPress")) == "once"
+    assert spec_argument("KeyDiffPress@decode") == "KeyDiffPress@decode"
+    for bad, message in (("SnapKVPress", "reads the hidden states"), ("KnormPress,norm=2", "KnormPress args"),
+                         ("MagicPress", "kv_press name must be one of")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            spec_argument(bad)
 
 
 # --- documents ---------------------------------------------------------------------------

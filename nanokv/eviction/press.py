@@ -1,0 +1,114 @@
+"""kvpress's presses as rankings: a ScorerPress scores the pairs a sequence holds in one layer,
+called as kvpress calls it after a prompt (keys and values [1, Hkv, n, head_dim] in position
+order, dequantized), and the pairs kvpress would keep (the top n - k of its scores) rank above
+those it would drop. The schedule decides when and how many, as for every ranking.
+
+Presses that read only keys and values run unmodified; a user's own ScorerPress subclass gets
+hidden_states None and empty kwargs. kvpress's presses that read more (hidden states, the
+attention matrix, weights from the hub) are refused, naming what they read. Nothing here imports
+kvpress (an optional dependency: pip install 'nanokv[kvpress]')."""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import torch
+
+from nanokv.eviction.rankings import HeldPairs, Ranking
+
+# kvpress's ScorerPresses that read nothing but the keys and values (checked with kvpress 0.5).
+RUNS_AS_IS = ("CURPress", "KeyDiffPress", "KnormPress", "LagKVPress", "RandomPress", "StreamingLLMPress")
+WINDOW = "the hidden states of the positions its queries come from"
+WHOLE_PROMPT = "the hidden states of every position of the prompt"
+READS = {   # kvpress's other ScorerPresses: what each reads beyond the pairs (and nanokv's rule that is theirs)
+    "SnapKVPress": WINDOW + " (kv_method='snapkv' is its rule)",
+    "TOVAPress": WINDOW + " (kv_method='tova' is its rule)",
+    "PyramidKVPress": WINDOW + " and its own per-layer budgets",
+    "ExpectedAttentionPress": WHOLE_PROMPT,
+    "ExpectedAttentionStatsPress": WHOLE_PROMPT + " and statistics from the hub",
+    "LeverageScorePress": WHOLE_PROMPT, "CompactorPress": WHOLE_PROMPT, "NonCausalAttnPress": WHOLE_PROMPT,
+    "CapPress": WHOLE_PROMPT, "QFilterPress": "Q-filters downloaded from the Hugging Face hub",
+    "KVzapPress": "a scorer model downloaded from the Hugging Face hub and the hidden states",
+    "ObservedAttentionPress": "the attention matrix of the prompt (kv_method='batchmax', kv_schedule='once' is its "
+                              "rule: attention averaged over the queries that saw each key)",
+    "CriticalKVPress": "the press it wraps, and the output projection's weights",
+}
+
+
+def is_scorer_press_class(cls) -> bool:
+    """Whether cls is kvpress's ScorerPress or a subclass (found by its bases, not by importing kvpress)."""
+    return isinstance(cls, type) and any(c.__name__ == "ScorerPress" and c.__module__.startswith("kvpress.")
+                                         for c in cls.__mro__)
+
+
+def press_by_name(spec: dict):
+    """The press {"name": a kvpress ScorerPress's class name, "args": {its fields}} names."""
+    if set(spec) - {"name", "args"} or not isinstance(spec.get("name"), str) or \
+            not isinstance(spec.get("args", {}), dict):
+        raise TypeError(f'kv_press as an object must be {{"name": a ScorerPress class name, "args": {{...}}}}, '
+                        f'got {spec!r}')
+    try:
+        import kvpress
+    except ImportError:
+        raise ValueError("kv_press needs kvpress, which is not installed: pip install 'nanokv[kvpress]'") from None
+    scorers = sorted(name for name in kvpress.__all__
+                     if name != "ScorerPress" and is_scorer_press_class(getattr(kvpress, name)))
+    if spec["name"] not in scorers:
+        raise ValueError(f"kv_press name must be one of kvpress's ScorerPresses ({', '.join(scorers)}), "
+                         f"got {spec['name']!r}")
+    try:
+        return getattr(kvpress, spec["name"])(**spec.get("args", {}))
+    except (TypeError, ValueError, AssertionError) as error:
+        raise ValueError(f"kv_press {spec['name']} args {spec.get('args')!r}: {error}") from None
+
+
+def check_press(press) -> None:
+    """A TypeError or ValueError naming what is wrong with press as a request's ranking."""
+    if not is_scorer_press_class(type(press)):
+        raise TypeError(f"kv_press must be a kvpress ScorerPress (pip install 'nanokv[kvpress]'), "
+                        f"got {type(press).__name__}")
+    scorer = next(c for c in type(press).__mro__ if "score" in vars(c))   # whose score() runs
+    name = scorer.__name__
+    if scorer.__module__.startswith("kvpress.") and name not in RUNS_AS_IS:
+        reads = READS.get(name, "what nanokv has not checked it reads")
+        raise ValueError(f"kv_press {name} reads {reads}; nanokv hands a press the keys and values only: "
+                         f"kvpress's presses it runs are {', '.join(RUNS_AS_IS)}, and any ScorerPress of your own")
+    if press.compression_ratio:
+        raise ValueError(f"kv_press compression_ratio is not read (kv_budget and kv_schedule decide how many "
+                         f"pairs go): it must be 0, got {press.compression_ratio!r}")
+
+
+class PressRanking(Ranking):
+    """A kvpress ScorerPress, by default under kvpress's own schedule: once, after the prompt."""
+    name = "press"
+    default_schedule = "once"
+    reads_keys = reads_values = True
+
+    def __init__(self, press):
+        self.press = copy.copy(press)   # its own copy: the compression ratio is set at each call
+
+    @property
+    def settings(self) -> tuple:
+        return (repr(self.press),)
+
+    def keep_priority(self, held: HeldPairs) -> torch.Tensor:
+        """Per (sequence, layer): the press's scores in position order, +inf for the pairs its
+        top n - k keeps (kvpress's choice, ties as torch.topk breaks them), put back in slot order."""
+        order = held.positions.argsort(dim=-1)
+        keys, values = (x.gather(-2, order[..., None].expand_as(x)) for x in held.keys_values())
+        n, k = order.shape[-1], held.num_evicted
+        # compute_n_kept truncates n * (1 - ratio): half a pair above n - k keeps n - k exactly
+        self.press.compression_ratio = (k - 0.5) / n
+        priority = torch.empty(order.shape, dtype=torch.float32, device=order.device)
+        for s in range(order.shape[0]):
+            for i in range(order.shape[1]):
+                scores = self.press.score(held.attention(i), None, keys[s, i][None], values[s, i][None], None, {})[0]
+                kept = scores.topk(n - k, dim=-1).indices
+                priority[s, i] = scores.float().scatter(-1, kept, float("inf"))
+        return torch.empty_like(priority).scatter_(-1, order, priority)
+
+
+def attention_view(layer: int, num_heads: int, num_kv_heads: int, head_dim: int) -> SimpleNamespace:
+    """What a press may read of an HF attention module for its shapes: layer_idx, head_dim and config."""
+    config = SimpleNamespace(num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim)
+    return SimpleNamespace(layer_idx=layer, head_dim=head_dim, config=config)

@@ -1,0 +1,204 @@
+"""kvpress's presses as nanokv rankings (nanokv/eviction/press.py), against kvpress itself.
+
+kvpress compresses a prompt in its own forward hooks on an HF model; nanokv, run on the same
+weights, must keep the same positions in every (layer, KV head) and then generate the same
+greedy tokens. Under the schedules kvpress does not have (block-wise prefill, decode), a press
+must keep and free as nanokv's own equivalent ranking does.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import kvpress
+import pytest
+import torch
+import transformers
+from kvpress.utils import compute_n_kept
+
+from helpers import VOCAB
+from nanokv.engine import evict
+from oracle import distinct_prompt
+from nanokv import LLM, SamplingParams
+from nanokv.eviction import HeldPairs
+from nanokv.eviction.holes import lowest
+from nanokv.eviction.press import RUNS_AS_IS, PressRanking, attention_view, check_press
+
+PRESSES = [getattr(kvpress, name)(**({"seed": 0} if name == "RandomPress" else {})) for name in RUNS_AS_IS]
+STEPS = 16
+
+
+def kvpress_generate(hf, press, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """kvpress's kept positions [L, Hkv, n_kept] (ascending) after compressing the prompt in its
+    own hooks, and the greedy tokens: the prompt's, then `steps` more over the compressed cache
+    (as kvpress's pipeline generates)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        full = hf.model(ids, past_key_values=transformers.DynamicCache()).past_key_values
+        cache = transformers.DynamicCache()
+        with press(hf):
+            out = hf(ids, past_key_values=cache)
+        kept = []
+        for layer, whole in zip(cache.layers, full.layers):   # a kept key is one of the prompt's, unchanged
+            same = (layer.keys[0][:, :, None] == whole.keys[0][:, None]).all(-1)   # [H, kept, n]
+            assert (same.sum(-1) == 1).all()
+            kept.append(same.int().argmax(-1).sort(-1).values)
+        tokens = [int(out.logits[0, -1].argmax())]
+        for i in range(steps):
+            out = hf(torch.tensor([tokens[-1:]]), past_key_values=cache, position_ids=torch.tensor([[len(prompt) + i]]))
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return torch.stack(kept), tokens
+
+
+def check_as_kvpress(llm: LLM, hf, prompt: list[int], press, ratio: float = 0.4) -> None:
+    n_kept = compute_n_kept(len(prompt), ratio)
+    kept, tokens = kvpress_generate(hf, dataclasses.replace(press, compression_ratio=ratio), prompt, STEPS)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=STEPS + 1, ignore_eos=True, kv_press=press,
+                                                 kv_budget=n_kept, return_kept_positions=True), use_tqdm=False)[0]
+    assert torch.equal(out.kept_positions[..., :n_kept].long(), kept.long()), press   # then the generated tokens' pairs
+    assert out.token_ids == tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_each_press_keeps_what_kvpress_keeps_on_a_tiny_model_of_each_family(tiny_models, family):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_models(family), dtype=torch.float32).eval()
+    llm = LLM(str(tiny_models(family)), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    prompt = distinct_prompt(100, seed=1)
+    for press in PRESSES:
+        check_as_kvpress(llm, hf, prompt, press)
+
+
+def test_each_press_keeps_what_kvpress_keeps_on_the_bundled_model(bundled_dir):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(bundled_dir, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bundled_dir)
+    llm = LLM(str(bundled_dir), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    text = tokenizer("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is "
+                     "named after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 "
+                     "to 1889, as the centrepiece of the World's Fair.")["input_ids"]
+    prompt = list(dict.fromkeys(text))   # repeating no token, as distinct_prompt
+    for press in PRESSES:
+        check_as_kvpress(llm, hf, prompt, press)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(str(tiny_models("qwen2")), dtype="float32", num_kv_blocks=64, max_model_len=256)
+
+
+def evicting(**kwargs) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 40, "ignore_eos": True, "kv_budget": 32,
+                             "evict_every": 16, "return_kept_positions": True, **kwargs})
+
+
+@pytest.mark.parametrize("press, native, schedule, max_tokens, kv_cache_dtype", [
+    (kvpress.StreamingLLMPress(n_sink=4), "streamingllm", "prefill", 40, "auto"),
+    (kvpress.StreamingLLMPress(n_sink=4), "streamingllm", "decode", 40, "auto"),
+    (kvpress.KnormPress(), "knorm", "prefill", 1, "auto"),   # distinct_prompt: only the prompt is ranked
+    (kvpress.KnormPress(), "knorm", "prefill", 1, "int8"),   # the keys dequantized, as knorm reads them
+])
+def test_a_press_under_nanokv_s_schedules_keeps_what_its_nanokv_equal_keeps(llm, tiny_models, press, native, schedule,
+                                                                            max_tokens, kv_cache_dtype):
+    """Blocks freed as the prompt is read, and on a quantized cache too."""
+    if kv_cache_dtype != "auto":
+        llm = LLM(str(tiny_models("qwen2")), dtype="float32", num_kv_blocks=64, max_model_len=256,
+                  kv_cache_dtype=kv_cache_dtype)
+    prompts = [distinct_prompt(n, seed=n) for n in (70, 100)]
+    theirs = llm.generate(prompts, evicting(kv_method=native, kv_schedule=schedule, max_tokens=max_tokens),
+                          use_tqdm=False)
+    ours = llm.generate(prompts, evicting(kv_press=press, kv_schedule=schedule, max_tokens=max_tokens), use_tqdm=False)
+    for a, b in zip(ours, theirs):
+        assert a.token_ids == b.token_ids
+        assert torch.equal(a.kept_positions, b.kept_positions)
+        assert a.kept_positions.shape[-1] <= 32
+    assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
+
+
+def test_a_batch_mixing_a_press_a_nanokv_rule_and_the_full_cache_runs_each_as_alone(llm):
+    prompts = [torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(4)]
+    params = [evicting(kv_press=kvpress.LagKVPress(lag_size=8)), evicting(kv_method="batchmax"),
+              evicting(kv_press=kvpress.KeyDiffPress(), kv_schedule="decode"),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    together = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, together):
+        alone = llm.generate([prompt], p, use_tqdm=False)[0]
+        assert out.token_ids == alone.token_ids
+        assert (out.kept_positions is None and alone.kept_positions is None
+                or torch.equal(out.kept_positions, alone.kept_positions))
+
+
+@dataclasses.dataclass
+class SnapKVWithDefaults(kvpress.SnapKVPress):
+    """A press of one's own that keeps SnapKV's score()."""
+    window_size: int = 8
+
+
+@pytest.mark.parametrize("press, message", [
+    (kvpress.SnapKVPress(), "kv_press SnapKVPress reads the hidden states .*kv_method='snapkv' is its rule"),
+    (SnapKVWithDefaults(), "kv_press SnapKVPress reads the hidden states"),   # whose score() runs
+    (kvpress.ObservedAttentionPress(), "reads the attention matrix"),
+    (kvpress.KnormPress(compression_ratio=0.5), "compression_ratio is not read"),
+    ({"name": "AdaKVPress"}, "kv_press name must be one of kvpress's ScorerPresses"),
+    ({"name": "KnormPress", "args": {"window": 3}}, "kv_press KnormPress args"),
+    ({"press": "KnormPress"}, 'kv_press as an object must be {"name"'),
+])
+def test_a_press_nanokv_cannot_run_is_a_clear_error(press, message):
+    with pytest.raises((TypeError, ValueError), match=message.replace("(", r"\(")):
+        SamplingParams(kv_press=press)
+
+
+def test_a_press_is_the_ranking_not_a_method_s(llm):
+    with pytest.raises(ValueError, match="kv_press is the request's ranking: kv_method must be None, got 'h2o'"):
+        llm.generate([[1, 2, 3]], SamplingParams(kv_press=kvpress.KnormPress(), kv_method="h2o"), use_tqdm=False)
+
+
+def test_a_press_by_name_and_args_as_json_gives_it():
+    params = SamplingParams(kv_press={"name": "LagKVPress", "args": {"lag_size": 8}})
+    assert params.kv_press == kvpress.LagKVPress(lag_size=8)
+
+
+@dataclasses.dataclass
+class NewestByIndex(kvpress.ScorerPress):
+    """A press of one's own: keeps the pairs it is handed last, and checks that they come in
+    position order (in the test below, each key's first element is its position)."""
+    layers: list = dataclasses.field(default_factory=list)   # the layer_idx of each call
+
+    def score(self, module, hidden_states, keys, values, attentions, kwargs):
+        assert hidden_states is None and attentions is None and kwargs == {}
+        assert (keys[..., 0].diff(dim=-1) > 0).all() and torch.equal(keys, values)
+        assert module.config.num_attention_heads == 6 and module.head_dim == keys.shape[-1]
+        self.layers.append(module.layer_idx)
+        return torch.arange(keys.shape[2], dtype=keys.dtype).expand(keys.shape[:3])
+
+
+def test_a_press_of_one_s_own_is_handed_the_pairs_in_position_order_and_its_choice_kept():
+    """The pairs in slot order, which evictions that fill holes leave shuffled."""
+    positions = torch.stack([torch.randperm(12) for _ in range(2 * 4 * 3)]).view(2, 4, 3, 12).int()   # [S, L, H, n]
+    keys = positions[..., None].float().expand(*positions.shape, 8)
+    check_press(NewestByIndex())
+    ranking = PressRanking(NewestByIndex())
+    held = HeldPairs(positions, torch.zeros(positions.shape), current=torch.full((2, 1, 1, 1), 11), key_norms=None,
+                     num_evicted=5, keys_values=lambda: (keys, keys),
+                     attention=lambda i: attention_view(2 + i, 6, 3, 8))
+    evicted = lowest(ranking.keep_priority(held), positions, 5)
+    assert (positions.gather(-1, evicted).sort(-1).values == torch.arange(5)).all()   # the oldest go
+    assert ranking.press.layers == [2, 3, 4, 5] * 2   # each sequence's layers, as the model numbers them
+
+
+@dataclasses.dataclass
+class LayerRecorder(kvpress.KnormPress):
+    """K-norm, noting the layer_idx of each call."""
+    layers: list = dataclasses.field(default_factory=list)
+
+    def score(self, module, *args):
+        self.layers.append(module.layer_idx)
+        return super().score(module, *args)
+
+
+def test_a_press_ranked_a_layer_at_a_time_is_told_each_layer_s_index(tiny_models, monkeypatch):
+    """Eviction in pieces of one layer of one sequence (the least memory): each call names the
+    model's layer, not the piece's."""
+    monkeypatch.setattr(evict, "PIECE_BYTES", 1)
+    llm = LLM(str(tiny_models("qwen2")), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    press = LayerRecorder()   # each request ranks with its own copy, which shares the list
+    llm.generate([distinct_prompt(70, seed=0), distinct_prompt(90, seed=1)], evicting(kv_press=press, max_tokens=2),
+                 use_tqdm=False)
+    assert press.layers == [0, 1, 0, 1]
