@@ -132,7 +132,7 @@ class Evictor:
         return self.cache.pages(kernels.from_host(seqs[0].block_table.tables.ids[rows, :nb], self.device))
 
     def _held(self, seqs: list[Sequence], tables: torch.Tensor, n: int, lens: torch.Tensor | None = None,
-              num_evicted: int = 0, layers: slice = slice(None)) -> HeldPairs:
+              num_evicted: int = 0, layers: slice = slice(None), num_kept: list[int] | None = None) -> HeldPairs:
         """What the sequences' heads hold in their first n slots through tables [S, L, H, nb]: the
         layers `layers` of the model."""
         current = kernels.from_host([seq.num_computed_tokens - 1 for seq in seqs], self.device)
@@ -140,7 +140,7 @@ class Evictor:
         first, cache = layers.start or 0, self.cache
         return HeldPairs(read_slots(cache.positions, tables, n), scores, current=current[:, None, None, None],
                          key_norms=lambda: self._keys(tables, n, cache.k).norm(dim=-1), lens=lens,
-                         num_evicted=num_evicted,
+                         num_evicted=num_evicted, num_kept=num_kept,
                          keys_values=lambda: (self._keys(tables, n, cache.k), self._keys(tables, n, cache.v, 1)),
                          attention=lambda i: attention_view(first + i, self.num_heads, cache.num_kv_heads,
                                                             cache.k.shape[-1]))
@@ -191,15 +191,18 @@ class Evictor:
         method, bs, n = seqs[0].method, self.block_size, width * self.block_size
         pieces = self._pieces(S, method, n, n)   # a head may give up all but its floor
 
+        num_kept = [e.num_slots - e.num_evicted for e in evictions]
+
         def ordered(in_piece: slice, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
-            held = self._held(seqs[in_piece], tables[in_piece, layers], n, lens[in_piece, layers])
+            held = self._held(seqs[in_piece], tables[in_piece, layers], n, lens[in_piece, layers], layers=layers,
+                              num_kept=num_kept[in_piece])
             return eviction_order(method.keep_priority(held), held.positions, lens[in_piece, layers], bs)
         held_pages = -(-lens // bs)
         costs = torch.empty(S, L, H, width, device=self.device)
         for in_piece, layers in pieces:
             last = ordered(in_piece, layers)
             costs[in_piece, layers] = page_costs(last[1], lens[in_piece, layers], bs, method.floor_pages(bs))
-        kept = kernels.from_host([e.num_slots - e.num_evicted for e in evictions], self.device)
+        kept = kernels.from_host(num_kept, self.device)
         evicted = self._choose_pages(costs, lens, kept, evictions)
         kept_lens = torch.empty_like(lens)
         for in_piece, layers in pieces:

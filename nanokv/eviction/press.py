@@ -2,6 +2,9 @@
 called as kvpress calls it after a prompt (keys and values [1, Hkv, n, head_dim] in position
 order, dequantized), and the pairs kvpress would keep (the top n - k of its scores) rank above
 those it would drop. The schedule decides when and how many, as for every ranking.
+AdaKVPress(press) is the press's scores ranked across heads, as KV-Compress's page eviction
+ranks them across heads and layers (uneven): each head scored on its own pairs, its top
+alpha_safeguard share of the pairs kept on average protected, as AdaKV protects them.
 
 Presses that read only keys and values run unmodified; a user's own ScorerPress subclass gets
 hidden_states None and empty kwargs. kvpress's presses that read more (hidden states, the
@@ -42,7 +45,8 @@ def is_scorer_press_class(cls) -> bool:
 
 
 def press_by_name(spec: dict):
-    """The press {"name": a kvpress ScorerPress's class name, "args": {its fields}} names."""
+    """The press {"name": a kvpress ScorerPress's class name, "args": {its fields}} names; an
+    AdaKVPress's args name the press it wraps the same way (or by its name alone)."""
     if set(spec) - {"name", "args"} or not isinstance(spec.get("name"), str) or \
             not isinstance(spec.get("args", {}), dict):
         raise TypeError(f'kv_press as an object must be {{"name": a ScorerPress class name, "args": {{...}}}}, '
@@ -53,20 +57,34 @@ def press_by_name(spec: dict):
         raise ValueError("kv_press needs kvpress, which is not installed: pip install 'nanokv[kvpress]'") from None
     scorers = sorted(name for name in kvpress.__all__
                      if name != "ScorerPress" and is_scorer_press_class(getattr(kvpress, name)))
-    if spec["name"] not in scorers:
-        raise ValueError(f"kv_press name must be one of kvpress's ScorerPresses ({', '.join(scorers)}), "
-                         f"got {spec['name']!r}")
+    if spec["name"] not in (*scorers, "AdaKVPress"):
+        raise ValueError(f"kv_press name must be one of kvpress's ScorerPresses ({', '.join(scorers)}) or "
+                         f"AdaKVPress, got {spec['name']!r}")
+    args = dict(spec.get("args", {}))
+    if spec["name"] == "AdaKVPress" and isinstance(args.get("press"), (str, dict)):
+        inner = args["press"]
+        args["press"] = press_by_name({"name": inner} if isinstance(inner, str) else inner)
     try:
-        return getattr(kvpress, spec["name"])(**spec.get("args", {}))
+        return getattr(kvpress, spec["name"])(**args)
     except (TypeError, ValueError, AssertionError) as error:
         raise ValueError(f"kv_press {spec['name']} args {spec.get('args')!r}: {error}") from None
 
 
+def adakv_inner(press):
+    """The press an AdaKVPress wraps, or None for any other press."""
+    kind = type(press)
+    return press.press if kind.__name__ == "AdaKVPress" and kind.__module__.startswith("kvpress.") else None
+
+
 def check_press(press) -> None:
     """A TypeError or ValueError naming what is wrong with press as a request's ranking."""
+    if adakv_inner(press) is not None:
+        if not 0 <= press.alpha_safeguard <= 1:
+            raise ValueError(f"kv_press AdaKVPress alpha_safeguard must be in [0, 1], got {press.alpha_safeguard!r}")
+        press = adakv_inner(press)
     if not is_scorer_press_class(type(press)):
-        raise TypeError(f"kv_press must be a kvpress ScorerPress (pip install 'nanokv[kvpress]'), "
-                        f"got {type(press).__name__}")
+        raise TypeError(f"kv_press must be a kvpress ScorerPress or an AdaKVPress of one (pip install "
+                        f"'nanokv[kvpress]'), got {type(press).__name__}")
     scorer = next(c for c in type(press).__mro__ if "score" in vars(c))   # whose score() runs
     name = scorer.__name__
     if scorer.__module__.startswith("kvpress.") and name not in RUNS_AS_IS:
@@ -79,32 +97,51 @@ def check_press(press) -> None:
 
 
 class PressRanking(Ranking):
-    """A kvpress ScorerPress, by default under kvpress's own schedule: once, after the prompt."""
+    """A kvpress ScorerPress, by default under kvpress's own schedule: once, after the prompt;
+    an AdaKVPress's, uneven."""
     name = "press"
     default_schedule = "once"
     reads_keys = reads_values = True
 
     def __init__(self, press):
-        self.press = copy.copy(press)   # its own copy: the compression ratio is set at each call
+        inner = adakv_inner(press)
+        self.uneven, self.safeguard = (True, press.alpha_safeguard) if inner is not None else (False, 0.0)
+        self.press = copy.copy(inner or press)   # its own copy: the compression ratio is set at each call
 
     @property
     def settings(self) -> tuple:
-        return (repr(self.press),)
+        return repr(self.press), self.safeguard
 
     def keep_priority(self, held: HeldPairs) -> torch.Tensor:
-        """Per (sequence, layer): the press's scores in position order, +inf for the pairs its
-        top n - k keeps (kvpress's choice, ties as torch.topk breaks them), put back in slot order."""
-        order = held.positions.argsort(dim=-1)
+        """The press's scores, each (sequence, layer) handed its pairs in position order, put back in
+        slot order. Evicting the same number from every head: +inf for the pairs its top n - k keeps
+        (kvpress's choice, ties as torch.topk breaks them). Uneven: each head scored on its own
+        pairs, the top alpha_safeguard x the pairs kept on average (at least one) protected."""
+        slot = torch.arange(held.positions.shape[-1], device=held.positions.device)
+        last = torch.iinfo(held.positions.dtype).max   # a head's empty slots go after its pairs
+        order = (held.positions if held.lens is None else
+                 held.positions.masked_fill(slot >= held.lens[..., None], last)).argsort(dim=-1)
         keys, values = (x.gather(-2, order[..., None].expand_as(x)) for x in held.keys_values())
-        n, k = order.shape[-1], held.num_evicted
-        # compute_n_kept truncates n * (1 - ratio): half a pair above n - k keeps n - k exactly
-        self.press.compression_ratio = (k - 0.5) / n
-        priority = torch.empty(order.shape, dtype=torch.float32, device=order.device)
+        priority = torch.full(order.shape, float("-inf"), device=order.device)
+        n = order.shape[-1]
+        if held.lens is None:
+            # compute_n_kept truncates n * (1 - ratio): half a pair above n - k keeps n - k exactly
+            self.press.compression_ratio = (held.num_evicted - 0.5) / n
+        else:
+            self.press.compression_ratio = 0.0   # read as they are: the pages' costs compare heads
+            lens = held.lens.tolist()
         for s in range(order.shape[0]):
             for i in range(order.shape[1]):
-                scores = self.press.score(held.attention(i), None, keys[s, i][None], values[s, i][None], None, {})[0]
-                kept = scores.topk(n - k, dim=-1).indices
-                priority[s, i] = scores.float().scatter(-1, kept, float("inf"))
+                module = held.attention(i)
+                if held.lens is None:
+                    scores = self.press.score(module, None, keys[s, i][None], values[s, i][None], None, {})[0]
+                    priority[s, i] = scores.float().scatter(-1, scores.topk(n - held.num_evicted).indices, float("inf"))
+                    continue
+                safe = max(int(self.safeguard * held.num_kept[s]), 1) if self.safeguard else 0
+                for h, m in enumerate(lens[s][i]):   # heads of different lengths: one call each
+                    head = (x[s, i, h:h + 1, :m][None] for x in (keys, values))
+                    scores = self.press.score(module, None, *head, None, {})[0, 0].float()
+                    priority[s, i, h, :m] = scores.scatter(-1, scores.topk(min(safe, m)).indices, torch.finfo().max)
         return torch.empty_like(priority).scatter_(-1, order, priority)
 
 

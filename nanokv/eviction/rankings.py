@@ -26,6 +26,7 @@ class HeldPairs:
     key_norms: Callable[[], torch.Tensor]   # -> [S, L, H, n] L2 norms of the keys: read only for a ranking that asks
     lens: torch.Tensor | None = None   # [S, L, H]: pairs per head, when heads hold different numbers
     num_evicted: int = 0               # pairs each head drops, when they all drop as many
+    num_kept: list[int] | None = None  # uneven: pairs each sequence's heads keep on average
     keys_values: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None   # -> K, V [S, L, H, n, head_dim],
     #                                                                                dequantized: for a press
     attention: Callable[[int], object] | None = None   # L index -> what a press may read of that layer's attention

@@ -58,7 +58,7 @@ def check_as_kvpress(llm: LLM, hf, prompt: list[int], press, ratio: float = 0.4)
     assert out.token_ids == tokens
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_each_press_keeps_what_kvpress_keeps_on_a_tiny_model_of_each_family(tiny_models, family):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_models(family), dtype=torch.float32).eval()
     llm = LLM(str(tiny_models(family)), dtype="float32", num_kv_blocks=32, max_model_len=256)
@@ -126,6 +126,27 @@ def test_a_batch_mixing_a_press_a_nanokv_rule_and_the_full_cache_runs_each_as_al
 
 
 @dataclasses.dataclass
+class LayerHeadKnorm(kvpress.KnormPress):
+    """K-norm plus 1000 x the layer and 100 x the head: the later a head, the more it is worth."""
+
+    def score(self, module, *args):
+        scores = super().score(module, *args)
+        return scores + 1000 * module.layer_idx + 100 * torch.arange(scores.shape[1])[None, :, None]
+
+
+@pytest.mark.parametrize("alpha, held", [(0.0, [[16, 16], [32, 64]]), (0.2, [[16, 16], [32, 64]]),
+                                         (1.0, [[32, 32], [32, 32]])])
+def test_adakv_ranks_the_press_s_scores_across_heads_and_layers_in_whole_pages(llm, alpha, held):
+    """100 pairs a head (7 pages of 16) down to 32 on average: 20 of the 28 pages go, the
+    cheapest first (layer 0's heads down to their floor of one page, then layer 1's head 0),
+    unless alpha_safeguard protects each head's best alpha x 32 pairs (all 32 at 1.0)."""
+    out = llm.generate([distinct_prompt(100, seed=0)], evicting(
+        kv_press=kvpress.AdaKVPress(LayerHeadKnorm(), alpha_safeguard=alpha), max_tokens=2), use_tqdm=False)[0]
+    assert ((out.kept_positions >= 0).sum(-1) - 1).tolist() == held   # the pairs kept, and the next token's
+    assert llm.scheduler.blocks.num_free == llm.scheduler.blocks.num_blocks
+
+
+@dataclasses.dataclass
 class SnapKVWithDefaults(kvpress.SnapKVPress):
     """A press of one's own that keeps SnapKV's score()."""
     window_size: int = 8
@@ -136,9 +157,11 @@ class SnapKVWithDefaults(kvpress.SnapKVPress):
     (SnapKVWithDefaults(), "kv_press SnapKVPress reads the hidden states"),   # whose score() runs
     (kvpress.ObservedAttentionPress(), "reads the attention matrix"),
     (kvpress.KnormPress(compression_ratio=0.5), "compression_ratio is not read"),
-    ({"name": "AdaKVPress"}, "kv_press name must be one of kvpress's ScorerPresses"),
+    ({"name": "ChunkPress"}, "kv_press name must be one of kvpress's ScorerPresses"),
     ({"name": "KnormPress", "args": {"window": 3}}, "kv_press KnormPress args"),
     ({"press": "KnormPress"}, 'kv_press as an object must be {"name"'),
+    (kvpress.AdaKVPress(kvpress.TOVAPress()), "kv_press TOVAPress reads the hidden states"),
+    (kvpress.ChunkPress(kvpress.KnormPress()), "kv_press must be a kvpress ScorerPress or an AdaKVPress"),
 ])
 def test_a_press_nanokv_cannot_run_is_a_clear_error(press, message):
     with pytest.raises((TypeError, ValueError), match=message.replace("(", r"\(")):
@@ -153,6 +176,8 @@ def test_a_press_is_the_ranking_not_a_method_s(llm):
 def test_a_press_by_name_and_args_as_json_gives_it():
     params = SamplingParams(kv_press={"name": "LagKVPress", "args": {"lag_size": 8}})
     assert params.kv_press == kvpress.LagKVPress(lag_size=8)
+    adakv = {"name": "AdaKVPress", "args": {"press": {"name": "KnormPress"}, "alpha_safeguard": 0.5}}
+    assert SamplingParams(kv_press=adakv).kv_press == kvpress.AdaKVPress(kvpress.KnormPress(), alpha_safeguard=0.5)
 
 
 @dataclasses.dataclass

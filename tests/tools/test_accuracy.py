@@ -104,6 +104,9 @@ def test_a_method_spec_may_name_a_press_and_its_fields():
         "evict_every": 32}
     assert schedule_name(parse_spec("KnormPress")) == "once"
     assert spec_argument("KeyDiffPress@decode") == "KeyDiffPress@decode"
+    assert parse_spec("AdaKVPress,press=KnormPress,alpha_safeguard=0.5")["kv_press"] == {
+        "name": "AdaKVPress", "args": {"press": "KnormPress", "alpha_safeguard": 0.5}}
+    assert spec_argument("AdaKVPress,press=KnormPress") == "AdaKVPress,press=KnormPress"
     for bad, message in (("SnapKVPress", "reads the hidden states"), ("KnormPress,norm=2", "KnormPress args"),
                          ("MagicPress", "kv_press name must be one of")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
