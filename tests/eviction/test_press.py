@@ -27,44 +27,50 @@ PRESSES = [getattr(kvpress, name)(**({"seed": 0} if name == "RandomPress" else {
 STEPS = 16
 
 
-def kvpress_generate(hf, press, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
-    """kvpress's kept positions [L, Hkv, n_kept] (ascending) after compressing the prompt in its
-    own hooks, and the greedy tokens: the prompt's, then `steps` more over the compressed cache
-    (as kvpress's pipeline generates)."""
-    ids = torch.tensor([prompt])
+def prompt_keys(hf, prompt: list[int]) -> list[torch.Tensor]:
+    """Each layer's keys [Hkv, n, head_dim] of the prompt, with no press."""
     with torch.no_grad():
-        full = hf.model(ids, past_key_values=transformers.DynamicCache()).past_key_values
+        return [layer.keys[0] for layer in hf.model(torch.tensor([prompt])).past_key_values.layers]
+
+
+def kvpress_generate(hf, press, prompt: list[int], keys: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """kvpress's kept positions [L, Hkv, n_kept] (ascending) after compressing the prompt in its
+    own hooks (found among the prompt's keys), and the greedy tokens: the prompt's, then STEPS
+    more over the compressed cache (as kvpress's pipeline generates)."""
+    with torch.no_grad():
         cache = transformers.DynamicCache()
         with press(hf):
-            out = hf(ids, past_key_values=cache)
+            out = hf(torch.tensor([prompt]), past_key_values=cache)
         kept = []
-        for layer, whole in zip(cache.layers, full.layers):   # a kept key is one of the prompt's, unchanged
-            same = (layer.keys[0][:, :, None] == whole.keys[0][:, None]).all(-1)   # [H, kept, n]
+        for layer, whole in zip(cache.layers, keys):   # a kept key is one of the prompt's, unchanged
+            same = (layer.keys[0][:, :, None] == whole[:, None]).all(-1)   # [H, kept, n]
             assert (same.sum(-1) == 1).all()
             kept.append(same.int().argmax(-1).sort(-1).values)
         tokens = [int(out.logits[0, -1].argmax())]
-        for i in range(steps):
+        for i in range(STEPS):
             out = hf(torch.tensor([tokens[-1:]]), past_key_values=cache, position_ids=torch.tensor([[len(prompt) + i]]))
             tokens.append(int(out.logits[0, -1].argmax()))
     return torch.stack(kept), tokens
 
 
-def check_as_kvpress(llm: LLM, hf, prompt: list[int], press, ratio: float = 0.4) -> None:
+def check_as_kvpress(llm: LLM, hf, prompt: list[int], ratio: float = 0.4) -> None:
+    """Every press of PRESSES: nanokv's (all in one batch) against kvpress's own."""
     n_kept = compute_n_kept(len(prompt), ratio)
-    kept, tokens = kvpress_generate(hf, dataclasses.replace(press, compression_ratio=ratio), prompt, STEPS)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=STEPS + 1, ignore_eos=True, kv_press=press,
-                                                 kv_budget=n_kept, return_kept_positions=True), use_tqdm=False)[0]
-    assert torch.equal(out.kept_positions[..., :n_kept].long(), kept.long()), press   # then the generated tokens' pairs
-    assert out.token_ids == tokens
+    outs = llm.generate([prompt] * len(PRESSES), [
+        SamplingParams(temperature=0, max_tokens=STEPS + 1, ignore_eos=True, kv_press=press, kv_budget=n_kept,
+                       return_kept_positions=True) for press in PRESSES], use_tqdm=False)
+    keys = prompt_keys(hf, prompt)
+    for press, out in zip(PRESSES, outs):
+        kept, tokens = kvpress_generate(hf, dataclasses.replace(press, compression_ratio=ratio), prompt, keys)
+        assert torch.equal(out.kept_positions[..., :n_kept].long(), kept.long()), press   # then the new tokens'
+        assert out.token_ids == tokens, press
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_each_press_keeps_what_kvpress_keeps_on_a_tiny_model_of_each_family(tiny_models, family):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_models(family), dtype=torch.float32).eval()
     llm = LLM(str(tiny_models(family)), dtype="float32", num_kv_blocks=32, max_model_len=256)
-    prompt = distinct_prompt(100, seed=1)
-    for press in PRESSES:
-        check_as_kvpress(llm, hf, prompt, press)
+    check_as_kvpress(llm, hf, distinct_prompt(100, seed=1))
 
 
 def test_each_press_keeps_what_kvpress_keeps_on_the_bundled_model(bundled_dir):
@@ -74,9 +80,7 @@ def test_each_press_keeps_what_kvpress_keeps_on_the_bundled_model(bundled_dir):
     text = tokenizer("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is "
                      "named after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 "
                      "to 1889, as the centrepiece of the World's Fair.")["input_ids"]
-    prompt = list(dict.fromkeys(text))   # repeating no token, as distinct_prompt
-    for press in PRESSES:
-        check_as_kvpress(llm, hf, prompt, press)
+    check_as_kvpress(llm, hf, list(dict.fromkeys(text)))   # repeating no token, as distinct_prompt
 
 
 @pytest.fixture(scope="module")
