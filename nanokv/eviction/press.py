@@ -114,35 +114,42 @@ class PressRanking(Ranking):
 
     def keep_priority(self, held: HeldPairs) -> torch.Tensor:
         """The press's scores, each (sequence, layer) handed its pairs in position order, put back in
-        slot order. Evicting the same number from every head: +inf for the pairs its top n - k keeps
-        (kvpress's choice, ties as torch.topk breaks them). Uneven: each head scored on its own
-        pairs, the top alpha_safeguard x the pairs kept on average (at least one) protected."""
+        slot order (by _as_kvpress, or by _per_head for an uneven method)."""
         slot = torch.arange(held.positions.shape[-1], device=held.positions.device)
         last = torch.iinfo(held.positions.dtype).max   # a head's empty slots go after its pairs
         order = (held.positions if held.lens is None else
                  held.positions.masked_fill(slot >= held.lens[..., None], last)).argsort(dim=-1)
         keys, values = (x.gather(-2, order[..., None].expand_as(x)) for x in held.keys_values())
-        priority = torch.full(order.shape, float("-inf"), device=order.device)
-        n = order.shape[-1]
-        if held.lens is None:
-            # compute_n_kept truncates n * (1 - ratio): half a pair above n - k keeps n - k exactly
-            self.press.compression_ratio = (held.num_evicted - 0.5) / n
-        else:
-            self.press.compression_ratio = 0.0   # read as they are: the pages' costs compare heads
-            lens = held.lens.tolist()
-        for s in range(order.shape[0]):
-            for i in range(order.shape[1]):
-                module = held.attention(i)
-                if held.lens is None:
-                    scores = self.press.score(module, None, keys[s, i][None], values[s, i][None], None, {})[0]
-                    priority[s, i] = scores.float().scatter(-1, scores.topk(n - held.num_evicted).indices, float("inf"))
-                    continue
-                safe = max(int(self.safeguard * held.num_kept[s]), 1) if self.safeguard else 0
-                for h, m in enumerate(lens[s][i]):   # heads of different lengths: one call each
-                    head = (x[s, i, h:h + 1, :m][None] for x in (keys, values))
-                    scores = self.press.score(module, None, *head, None, {})[0, 0].float()
-                    priority[s, i, h, :m] = scores.scatter(-1, scores.topk(min(safe, m)).indices, torch.finfo().max)
+        priority = (self._as_kvpress if held.lens is None else self._per_head)(held, keys, values)
         return torch.empty_like(priority).scatter_(-1, order, priority)
+
+    def _as_kvpress(self, held: HeldPairs, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Every head drops num_evicted of its n pairs: +inf for those the top n - k of the press's
+        scores keep (kvpress's choice, ties as torch.topk breaks them)."""
+        S, L, _, n, _ = keys.shape
+        kept = n - held.num_evicted
+        self.press.compression_ratio = (held.num_evicted - 0.5) / n   # compute_n_kept truncates: n - k exactly
+        priority = torch.empty(keys.shape[:-1], device=keys.device)
+        for s in range(S):
+            for i in range(L):
+                scores = self.press.score(held.attention(i), None, keys[s, i][None], values[s, i][None], None, {})[0]
+                priority[s, i] = scores.float().scatter(-1, scores.topk(kept).indices, float("inf"))
+        return priority
+
+    def _per_head(self, held: HeldPairs, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Heads of different lengths, one call each: the scores as they are (the pages' costs
+        compare heads), each head's top alpha_safeguard x the pairs kept on average (at least one)
+        protected as AdaKV protects them."""
+        self.press.compression_ratio = 0.0
+        priority = torch.full(keys.shape[:-1], float("-inf"), device=keys.device)
+        for s, layers in enumerate(held.lens.tolist()):
+            safe = max(int(self.safeguard * held.num_kept[s]), 1) if self.safeguard else 0
+            for i, lens in enumerate(layers):
+                for h, m in enumerate(lens):
+                    head = (x[s, i, h:h + 1, :m][None] for x in (keys, values))
+                    scores = self.press.score(held.attention(i), None, *head, None, {})[0, 0].float()
+                    priority[s, i, h, :m] = scores.scatter(-1, scores.topk(min(safe, m)).indices, torch.finfo().max)
+        return priority
 
 
 def attention_view(layer: int, num_heads: int, num_kv_heads: int, head_dim: int) -> SimpleNamespace:
