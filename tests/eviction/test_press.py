@@ -16,9 +16,9 @@ import transformers
 from kvpress.utils import compute_n_kept
 
 from helpers import VOCAB
-from nanokv.engine import evict
 from oracle import distinct_prompt
 from nanokv import LLM, SamplingParams
+from nanokv.engine import evict
 from nanokv.eviction import HeldPairs
 from nanokv.eviction.holes import lowest
 from nanokv.eviction.press import RUNS_AS_IS, PressRanking, attention_view, check_press
