@@ -231,3 +231,13 @@ def test_a_press_ranked_a_layer_at_a_time_is_told_each_layer_s_index(tiny_models
     llm.generate([distinct_prompt(70, seed=0), distinct_prompt(90, seed=1)], evicting(kv_press=press, max_tokens=2),
                  use_tqdm=False)
     assert press.layers == [0, 1, 0, 1]
+
+
+def test_the_engine_s_press_is_every_request_s_ranking_unless_it_names_its_own(tiny_models):
+    llm = LLM(str(tiny_models("qwen2")), dtype="float32", num_kv_blocks=64, max_model_len=256,
+              kv_press={"name": "KnormPress"}, kv_budget=32)
+    prompt = [distinct_prompt(70, seed=0)]
+    pressed, knorm = (llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, return_kept_positions=True,
+                                                          **method), use_tqdm=False)[0]
+                      for method in ({}, {"kv_method": "knorm"}))   # a request's own method takes no press
+    assert torch.equal(pressed.kept_positions, knorm.kept_positions) and pressed.kept_positions.shape[-1] == 34
