@@ -139,19 +139,19 @@ class Evictor:
         scores = self.shard.sum_over_replicas(read_slots(self.cache.scores, tables, n))
         first, cache = layers.start or 0, self.cache
         return HeldPairs(read_slots(cache.positions, tables, n), scores, current=current[:, None, None, None],
-                         key_norms=lambda: self._keys(tables, n, cache.k).norm(dim=-1), lens=lens,
+                         key_norms=lambda: self._dequantized(tables, n, 0).norm(dim=-1), lens=lens,
                          num_evicted=num_evicted, num_kept=num_kept,
-                         keys_values=lambda: (self._keys(tables, n, cache.k), self._keys(tables, n, cache.v, 1)),
+                         keys_values=lambda: (self._dequantized(tables, n, 0), self._dequantized(tables, n, 1)),
                          attention=lambda i: attention_view(first + i, self.num_heads, cache.num_kv_heads,
                                                             cache.k.shape[-1]))
 
-    def _keys(self, tables: torch.Tensor, n: int, cache: torch.Tensor, scale: int = 0) -> torch.Tensor:
-        """[S, L, H, n, head_dim]: the keys (or values, cache.v and scale 1) of the first n slots,
-        dequantized if the cache is quantized, in fp32 at least (float64 stays float64)."""
+    def _dequantized(self, tables: torch.Tensor, n: int, which: int) -> torch.Tensor:
+        """[S, L, H, n, head_dim]: the keys (which 0) or values (1) of the first n slots, dequantized
+        if the cache is quantized, in fp32 at least (float64 stays float64)."""
         scales = self.cache.kv_scales
-        keys = kernels.dequantize(read_slots(cache, tables, n),
-                                  None if scales is None else read_slots(scales, tables, n)[..., scale])
-        return keys.to(torch.promote_types(keys.dtype, torch.float32))
+        pairs = kernels.dequantize(read_slots((self.cache.k, self.cache.v)[which], tables, n),
+                                   None if scales is None else read_slots(scales, tables, n)[..., which])
+        return pairs.to(torch.promote_types(pairs.dtype, torch.float32))
 
     def _evicted(self, seqs: list[Sequence], tables: torch.Tensor, num_slots: int, num_evicted: int,
                  layers: slice = slice(None)) -> torch.Tensor:
