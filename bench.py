@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random-weights", metavar="SHAPE", choices=sorted(SHAPES),
                    help=f"random weights of a model shape: {', '.join(SHAPES)}")
     add_engine_flags(p, only=("dtype", "kv_cache_dtype", "kv_cache_gb", "block_size", "enforce_eager", "max_num_seqs",
-                              "max_num_batched_tokens", "num_threads", "tensor_parallel_size"))
+                              "max_num_batched_tokens", "num_threads", "tensor_parallel_size", "press_window"))
     p.add_argument("--input-len", type=int)
     p.add_argument("--output-len", type=int)
     p.add_argument("--methods", nargs="+", type=spec_argument, help="methods: RANKING[@SCHEDULE][,KEY=INT...], "

@@ -33,3 +33,16 @@ class AttentionMetadata:
     decode_workspace: DecodeWorkspace | None = None  # flash-decoding's scratch, allocated once (None: per call)
     host_stream: HostStream | None = None  # K/V from the host tier and layer inputs kept there (None: no traffic)
     rope_rows: torch.Tensor | None = None  # [T] each token's RoPE table row (None: its position; long_rope_rows)
+    kept_inputs: KeptInputs | None = None  # layer inputs of rows a press reads later (None: none kept)
+
+
+@dataclass
+class KeptInputs:
+    """Each layer's attention inputs (after the input norm) of the step's rows `rows`, kept at
+    store[layer, places]: the hidden states a press reads (nanokv/engine/press_window.py)."""
+    store: torch.Tensor    # [L, places, hidden]
+    rows: torch.Tensor     # [K] int64
+    places: torch.Tensor   # [K] int64
+
+    def keep(self, layer: int, x: torch.Tensor) -> None:
+        self.store[layer].index_copy_(0, self.places, x[self.rows])

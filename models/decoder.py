@@ -8,6 +8,7 @@ step's AttentionMetadata.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -45,9 +46,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
-    def project(self, x: torch.Tensor, rope_rows: torch.Tensor, cos_sin: torch.Tensor):
+    def project(self, x: torch.Tensor, rope_rows: torch.Tensor | None, cos_sin: torch.Tensor | None):
         """q [T, Hq, D], k and v [T, Hkv, D] of layer inputs x [T, hidden], rotated by their rows
-        rope_rows [T] of the cos/sin table (their positions but for LongRoPE's long prompts)."""
+        rope_rows [T] of the cos/sin table (their positions but for LongRoPE's long prompts);
+        None: not rotated (what a press reads: nanokv/eviction/press.py)."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -55,7 +57,8 @@ class Attention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        kernels.apply_rope(q, k, rope_rows, cos_sin)  # before caching: a kept key keeps its position
+        if rope_rows is not None:   # before caching: a kept key keeps its position
+            kernels.apply_rope(q, k, rope_rows, cos_sin)
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
@@ -65,6 +68,8 @@ class Attention(nn.Module):
         i = self.layer_idx   # the pool serves every layer: this layer's pages come from its tables
         if meta.host_stream is not None:   # K/V of pages staged from the host tier (models/host_stream.py)
             meta.host_stream.before_attention(i, x, self, cos_sin)
+        if meta.kept_inputs is not None:   # what a press reads at an eviction to come
+            meta.kept_inputs.keep(i, x)
         kernels.store_kv(k, v, cache.k, cache.v, cache.positions, cache.scores,
                          meta.slot_mapping[i], positions, kv_scales=cache.kv_scales)
         out = kernels.paged_attention(q, cache.k, cache.v, meta.page_tables[i], meta.cu_seqlens_q,
@@ -115,7 +120,7 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_len: int, shard: Shard = Shard()):
         super().__init__()
-        self.config, self.shard = cfg, shard
+        self.config, self.shard, self.max_len = cfg, shard, max_len
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -135,6 +140,14 @@ class Decoder(nn.Module):
             meta.host_stream.finish()
         x, _ = self.norm(x, residual)
         return x
+
+    def rope_rows(self, positions: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray | None:
+        """Each token's row of cos_sin, of a sequence with a prompt of prompt_lens tokens, where
+        some row is not the token's position (LongRoPE's long prompts: kernels.long_rope_rows), else None."""
+        scaling = self.config.rope_scaling
+        if scaling is None or scaling["rope_type"] != "longrope":
+            return None
+        return kernels.long_rope_rows(positions, prompt_lens, scaling["original_max_position_embeddings"], self.max_len)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:   # tied: the embedding table is the output projection

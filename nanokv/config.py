@@ -57,6 +57,11 @@ class EngineConfig(EvictionSettings):
                                         # their layer inputs instead of moved, where that is quicker (KVPR's
                                         # split, from the link and device measured at start); False: all moved
 
+    press_window: int = 0               # a press that reads hidden states (kvpress's SnapKV: window_size + 1, TOVA:
+                                        # 1) is handed the layer inputs of its sequence's last press_window
+                                        # positions, kept on the device for max_num_seqs sequences (L x hidden
+                                        # values a position each, counted before the pool is sized); 0: none
+
     tensor_parallel_size: int = 1       # ranks the model is split over by heads (models/tensor_parallel.py):
                                         # this process is rank 0 and starts the others (nanokv/engine/workers.py)
 
@@ -85,6 +90,7 @@ class EngineConfig(EvictionSettings):
         check_float("kv_offload_gb", self.kv_offload_gb, 0, host_memory_gb())
         check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES, optional=True)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        check_int("press_window", self.press_window, 0)
         check_bool("decode_from_host", self.decode_from_host)
         check_bool("partial_recompute", self.partial_recompute)
         if self.decode_from_host and not self.kv_offload_gb:

@@ -69,7 +69,7 @@ class LLM:
                             f"the options are {', '.join(sorted(fields - {'model', 'dtype'}))}")
         self.config = EngineConfig(model=model, dtype=dtype, **options)
         cfg = self.config
-        method_for(EvictionSettings(), cfg, cfg.block_size)   # the defaults' combination, checked now
+        method_for(EvictionSettings(), cfg, cfg.block_size, cfg.press_window)   # the defaults' combination, checked now
         self.device = device = engine_device(self.config.device)
         kernels.check_device(device, cfg.block_size)
         if cfg.num_threads is not None or (cfg.tensor_parallel_size > 1 and device.type == "cpu"):
@@ -158,7 +158,7 @@ class LLM:
         params.check()
         check_token_ids("stop_token_ids", params.stop_token_ids, self.model_config.vocab_size)
         check_token_ids("logit_bias", list(params.logit_bias), self.model_config.vocab_size)
-        method = method_for(params, self.config, self.config.block_size)
+        method = method_for(params, self.config, self.config.block_size, self.config.press_window)
         if params.return_kept_positions and method.name == "full":
             raise ValueError("return_kept_positions needs an evicting kv_method (any but full); "
                              "with full every position is kept")

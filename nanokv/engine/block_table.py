@@ -32,17 +32,17 @@ class BlockTables:
         """Give table's row back; returns the device blocks it held (for the block manager to free)."""
         blocks = [block for block in table.ids if block != OFFLOADED]
         self._free_rows.append(table.row)
-        table.tables, table.row, table.ids = None, -1, []
+        table.tables, table.row, table.ids = None, -1, []   # last_row stays
         return blocks
 
 
 class BlockTable:
     """A sequence's block ids: a list for the scheduler, mirrored in its row of BlockTables
     (a waiting sequence's is empty and has no row)."""
-    __slots__ = ("tables", "row", "ids", "changed_from")
+    __slots__ = ("tables", "row", "ids", "changed_from", "last_row")
 
     def __init__(self, tables: BlockTables | None = None, row: int = -1):
-        self.tables, self.row = tables, row
+        self.tables, self.row, self.last_row = tables, row, row   # last_row: its row, also after release
         self.ids: list[int] = []
         self.changed_from = 0   # the first entry changed since tensor parallelism's last step (workers.py)
 

@@ -26,12 +26,12 @@ import kernels
 from models import KVCache
 from models.tensor_parallel import Shard
 from nanokv.engine.head_pages import HeadTables, OwnPages
+from nanokv.engine.press_window import PressWindow
 from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import Sequence
 from nanokv.eviction import HeldPairs, KVMethod
 from nanokv.eviction.holes import hole_moves, lowest
 from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, page_costs, repage
-from nanokv.eviction.press import attention_view
 
 PIECE_BYTES = 256 * 2**20
 # What ranking and choosing allocate per held pair, all of it counted (tests/eviction/test_eviction_cost.py
@@ -59,8 +59,9 @@ def moved_pair_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
 
 def reserve_bytes(num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, max_model_len: int) -> int:
     """What eviction allocates at most at once: a piece, or one layer of a sequence as long as it
-    gets, ranked by the costliest ranking and every pair moved."""
-    worst = max(UNEVEN_RANKED_PAIR_BYTES, RANKED_PAIR_BYTES + 4 * (head_dim * (kv_dtype.itemsize + 4) + 4))
+    gets, ranked by the costliest ranking (an AdaKV press: uneven, reading keys and values) and every
+    pair moved."""
+    worst = UNEVEN_RANKED_PAIR_BYTES + 4 * (head_dim * (kv_dtype.itemsize + 4) + 4)
     return max(PIECE_BYTES, num_kv_heads * max_model_len * (worst + moved_pair_bytes(head_dim, kv_dtype)))
 
 
@@ -83,9 +84,9 @@ def read_slots(per_slot: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Te
 
 
 class Evictor:
-    def __init__(self, cache: KVCache, head_tables: HeadTables, num_heads: int, shard: Shard = Shard()):
+    def __init__(self, cache: KVCache, head_tables: HeadTables, press_window: PressWindow, shard: Shard = Shard()):
         self.cache, self.block_size, self.device = cache, cache.block_size, cache.k.device
-        self.num_heads = num_heads   # this rank's query heads (what a press reads of a layer's shapes)
+        self.press_window = press_window   # what a press is handed besides the pairs
         self.head_tables = head_tables   # an uneven method's own pages, after its first eviction
         self.shard = shard   # a split model's replicated KV heads sum their scores over their replicas
         # Since the engine started, over this rank's heads: the pairs evictions dropped and those
@@ -137,13 +138,12 @@ class Evictor:
         layers `layers` of the model."""
         current = kernels.from_host([seq.num_computed_tokens - 1 for seq in seqs], self.device)
         scores = self.shard.sum_over_replicas(read_slots(self.cache.scores, tables, n))
-        first, cache = layers.start or 0, self.cache
-        return HeldPairs(read_slots(cache.positions, tables, n), scores, current=current[:, None, None, None],
+        first = layers.start or 0
+        return HeldPairs(read_slots(self.cache.positions, tables, n), scores, current=current[:, None, None, None],
                          key_norms=lambda: self._dequantized(tables, n, 0).norm(dim=-1), lens=lens,
                          num_evicted=num_evicted, num_kept=num_kept,
                          keys_values=lambda: (self._dequantized(tables, n, 0), self._dequantized(tables, n, 1)),
-                         attention=lambda i: attention_view(first + i, self.num_heads, cache.num_kv_heads,
-                                                            cache.k.shape[-1]))
+                         press_args=lambda s, i: self.press_window.press_args(seqs[s], first + i))
 
     def _dequantized(self, tables: torch.Tensor, n: int, which: int) -> torch.Tensor:
         """[S, L, H, n, head_dim]: the keys (which 0) or values (1) of the first n slots, dequantized

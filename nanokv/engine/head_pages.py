@@ -93,13 +93,17 @@ class HeadTables:
                 own.exact = None if landing is None else (landing, i, w)
             own.width = w
 
-    def keep_aside(self, own: OwnPages) -> None:
-        """A copy of own's row, for while its sequence is swapped out and another may take the row."""
-        own.kept = self.tables[own.row, :, :, :own.width].clone(), self.lens[own.row].clone()
+    def keep_aside(self, own: OwnPages | None) -> None:
+        """A copy of own's row, for while its sequence is swapped out and another may take the row
+        (None: a sequence with no own pages)."""
+        if own is not None:
+            own.kept = self.tables[own.row, :, :, :own.width].clone(), self.lens[own.row].clone()
 
-    def put_back(self, own: OwnPages, row: int, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def put_back(self, own: OwnPages | None, row: int, moved: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """own's row kept aside, written at row (its sequence's new block table's), its pages
-        through moved (their blocks' new places)."""
+        through moved (their blocks' new places); None: nothing to put back."""
+        if own is None:
+            return
         tables, lens = own.kept
         own.row, own.kept = row, None
         self.write([own], moved(tables)[None], lens[None])

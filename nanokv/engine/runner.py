@@ -21,6 +21,7 @@ from nanokv.engine.block_table import BlockTables
 from nanokv.engine.cuda_graphs import DecodeGraphs
 from nanokv.engine.head_pages import HeadTables
 from nanokv.engine.offload_costs import PositionCost, best_split, measure_link_and_device
+from nanokv.engine.press_window import PressWindow
 from nanokv.engine.sampler import SampledTokens, Sampler, logprob_tensors
 from nanokv.engine.scheduler import ScheduledBatch
 from nanokv.engine.sequence import Sequence
@@ -55,24 +56,25 @@ class ModelRunner:
                  kv_dtype: torch.dtype):
         """dtype: the model's; kv_dtype: the KV cache's (dtype, or int8 / fp8 for a quantized cache)."""
         self.config, self.device, self.dtype, self.kv_dtype = config, device, dtype, kv_dtype
-        self.block_size = config.block_size
-        self.model = model
+        self.block_size, self.model = config.block_size, model
         if kernels.packs_weights(device):
             model.prepack_linears()
         model_config = model.config
         self.uses_graphs = kernels.captures_graphs(device) and not config.enforce_eager
         with on_device(device):
             self.link_and_device = self._measure_link_and_device()
-            # Flash-decoding's split partials, allocated before the memory profile counts what is in use.
+            # Flash-decoding's split partials and the presses' layer inputs, allocated before the memory
+            # profile counts what is in use.
             self.decode_workspace = kernels.decode_workspace_for(
                 config.max_num_seqs, model_config.num_heads, model_config.num_kv_heads, model_config.head_dim, device)
+            self.press_window = PressWindow(model, config.press_window, config.max_num_seqs, device)
             num_blocks = memory.pool_blocks(config, model_config, kv_dtype, device, self.uses_graphs,
                                             self.profile_forward)
             num_blocks = model.shard.min(num_blocks, device)   # block ids are the same on every rank
             self.kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
             self.host_cache = self._host_tier()
             self.head_tables = HeadTables(config.max_num_seqs, self.kv_cache)
-            self.evictor = evict.Evictor(self.kv_cache, self.head_tables, model_config.num_heads, model.shard)
+            self.evictor = evict.Evictor(self.kv_cache, self.head_tables, self.press_window, model.shard)
             self.sampler = Sampler(device, config.seed)
             self.last_sampled: SampledTokens | None = None   # what the sequences with a token pending feed next
             self.graphs = None
@@ -207,18 +209,16 @@ class ModelRunner:
             square_scores=self._to_device([m.squares_scores for m in methods], np.bool_) if squares else None,
             score_skip=self._to_device([m.score_skip for m in methods], np.int32) if skips else None,
             decode_workspace=self.decode_workspace, host_stream=host_stream,
-            rope_rows=self._rope_rows(positions, seqs, row_seq))
+            rope_rows=self._rope_rows(positions, seqs, row_seq),
+            kept_inputs=self.press_window.writes(seqs, starts, num_new, cu_seqlens) if cache is None else None)
         return step
 
     def _rope_rows(self, positions: np.ndarray, seqs: list[Sequence], owners: np.ndarray) -> torch.Tensor | None:
         """Each token's row of the RoPE table (owners: the index of its sequence in seqs) where
         some row is not the token's position (LongRoPE's long prompts), else None."""
-        scaling = self.model.config.rope_scaling
-        if scaling is None or scaling["rope_type"] != "longrope":
+        if self.model.config.rope_scaling is None:
             return None
-        lens = np.array([seq.num_prompt_tokens for seq in seqs], dtype=np.int64)[owners]
-        rows = kernels.long_rope_rows(positions, lens, scaling["original_max_position_embeddings"],
-                                      self.config.max_model_len)
+        rows = self.model.rope_rows(positions, np.array([seq.num_prompt_tokens for seq in seqs])[owners])
         return None if rows is None else self._to_device(rows)
 
     def _host_stream(self, seqs: list[Sequence], starts: list[int], num_new: list[int], cu_seqlens: list[int],
@@ -343,7 +343,7 @@ class ModelRunner:
             clock.lap("prepare")
             meta = step.meta
             if self.graphs is not None and meta.max_query_len == 1 and meta.host_stream is None \
-                    and meta.rope_rows is None and self.graphs.fits(meta):
+                    and meta.rope_rows is None and meta.kept_inputs is None and self.graphs.fits(meta):
                 hidden = self.graphs.run(step.input_ids, step.positions, meta)
             else:
                 hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
@@ -364,8 +364,8 @@ class ModelRunner:
     def _swap(self, batch: ScheduledBatch) -> None:
         """Blocks to the host tier (preempted sequences', spilled cached ones), then back from it
         (resuming sequences', cached ones hit there): a device block may be both, one block's
-        going out, another's coming in. A sequence's own page tables (an uneven method's) are
-        kept aside while it is out, and follow its blocks to their new places when it resumes."""
+        going out, another's coming in. A sequence's own page tables (an uneven method's) and press
+        window are kept aside while it is out; the tables follow its blocks when it resumes."""
         if batch.saves:
             device, host = zip(*batch.saves)
             self.host_cache.save(list(host), list(device))
@@ -373,12 +373,12 @@ class ModelRunner:
             host, device = zip(*batch.loads)
             self.host_cache.load(list(host), list(device))
         for seq in batch.swapped_out:
-            if seq.own_pages is not None:
-                self.head_tables.keep_aside(seq.own_pages)
+            self.press_window.keep_aside(seq)
+            self.head_tables.keep_aside(seq.own_pages)
         for swap in batch.resumed:
-            if swap.seq.own_pages is not None:
-                self.head_tables.put_back(swap.seq.own_pages, swap.seq.block_table.row, lambda tables, swap=swap:
-                                          self.kv_cache.move_pages(tables, swap.device_before, swap.device))
+            self.press_window.put_back(swap.seq)
+            self.head_tables.put_back(swap.seq.own_pages, swap.seq.block_table.row, lambda tables, swap=swap:
+                                      self.kv_cache.move_pages(tables, swap.device_before, swap.device))
 
     @torch.inference_mode()
     def kept_positions(self, seq: Sequence) -> torch.Tensor:

@@ -65,6 +65,7 @@ class Sequence:
     num_cached_tokens: int = 0         # prompt tokens taken from the prefix cache at its last admission
     prefix_serials: list[int] = field(default_factory=list)    # prefix-cache entries of its full blocks
     own_pages: OwnPages | None = None  # an uneven method's own page tables, after its first eviction
+    inputs_aside: torch.Tensor | None = None   # its press's window of layer inputs, while swapped out (press_window.py)
     swapped: Swap | None = None        # preempted to the host tier: where its blocks are
     offloaded: list[int] = field(default_factory=list)   # decoding from the host: the host blocks of its first blocks
     num_kept_inputs: int = 0           # its first positions whose layer inputs the host tier keeps (KVPR)

@@ -264,11 +264,12 @@ class Mirror:
     def update(self, update: Update) -> Sequence:
         """Bring a sequence's mirror up to date (Workers._describe)."""
         if update.params is not None:
-            method = method_for(update.params, self.config, self.config.block_size)
+            method = method_for(update.params, self.config, self.config.block_size, self.config.press_window)
             self.seqs[update.seq_id] = Sequence(update.seq_id, [], update.params, method=method,
                                                 max_slots=update.max_slots, block_table=self.tables.new([]))
-            if update.seq_id in self.parked:   # resumed
-                self.seqs[update.seq_id].own_pages = self.parked.pop(update.seq_id).own_pages
+            if update.seq_id in self.parked:   # resumed: with what it kept aside
+                parked, seq = self.parked.pop(update.seq_id), self.seqs[update.seq_id]
+                seq.own_pages, seq.inputs_aside = parked.own_pages, parked.inputs_aside
         seq = self.seqs[update.seq_id]
         seq.num_prompt_tokens = update.num_prompt_tokens
         seq.num_computed_tokens, seq.num_kv_slots = update.num_computed_tokens, update.num_kv_slots

@@ -51,13 +51,14 @@ class KVMethod:
         results unchanged: all under the full cache; under eviction, only tokens read before
         the first eviction, and none whose query's attention would count (a query skipped
         adds no score): none for batchmax, h2o and KVC-full, whose scores count every query,
-        and for tova, snapkv and KVC-w only those before their window."""
+        for tova, snapkv and KVC-w only those before their window, and for a press only those
+        before the positions whose layer inputs it reads."""
         if self.shares_blocks:
             return seq.num_tokens
         if self.needs_scores and not self.windowed:
             return 0
         end = self.schedule.next_eviction(seq)
-        return seq.num_tokens if end is None else max(end - (self.ranking.window or 0), 0)
+        return seq.num_tokens if end is None else max(end - max(self.ranking.window or 0, self.ranking.inputs), 0)
 
     def floor_pages(self, block_size: int) -> int:
         """The fewest pages a head of an uneven method keeps: its protected pairs', at least one."""

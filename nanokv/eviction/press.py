@@ -6,10 +6,13 @@ AdaKVPress(press) is the press's scores ranked across heads, as KV-Compress's pa
 ranks them across heads and layers (uneven): each head scored on its own pairs, its top
 alpha_safeguard share of the pairs kept on average protected, as AdaKV protects them.
 
-Presses that read only keys and values run unmodified; a user's own ScorerPress subclass gets
-hidden_states None and empty kwargs. kvpress's presses that read more (hidden states, the
-attention matrix, weights from the hub) are refused, naming what they read. Nothing here imports
-kvpress (an optional dependency: pip install 'nanokv[kvpress]')."""
+A press that reads a window of hidden states (SnapKV's, TOVA's; any of the user's own when the
+engine keeps some) is handed the layer's inputs of the sequence's latest positions and their
+position_embeddings, which the engine keeps for it (press_window: nanokv/engine/press_window.py),
+and a view of nanokv's attention layer as the module. kvpress's presses that read more (the
+hidden states of the whole prompt, the attention matrix, weights from the hub) are refused,
+naming what they read. Nothing here imports kvpress (an optional dependency: pip install
+'nanokv[kvpress]')."""
 from __future__ import annotations
 
 import copy
@@ -21,12 +24,12 @@ from nanokv.eviction.rankings import HeldPairs, Ranking
 
 # kvpress's ScorerPresses that read nothing but the keys and values (checked with kvpress 0.5).
 RUNS_AS_IS = ("CURPress", "KeyDiffPress", "KnormPress", "LagKVPress", "RandomPress", "StreamingLLMPress")
-WINDOW = "the hidden states of the positions its queries come from"
+# kvpress's ScorerPresses that read the hidden states of their last positions: how many.
+READS_WINDOW = {"SnapKVPress": lambda press: press.window_size + 1,   # it asserts more than its window
+                "TOVAPress": lambda press: 1}
 WHOLE_PROMPT = "the hidden states of every position of the prompt"
 READS = {   # kvpress's other ScorerPresses: what each reads beyond the pairs (and nanokv's rule that is theirs)
-    "SnapKVPress": WINDOW + " (kv_method='snapkv' is its rule)",
-    "TOVAPress": WINDOW + " (kv_method='tova' is its rule)",
-    "PyramidKVPress": WINDOW + " and its own per-layer budgets",
+    "PyramidKVPress": "its own per-layer budgets",
     "ExpectedAttentionPress": WHOLE_PROMPT,
     "ExpectedAttentionStatsPress": WHOLE_PROMPT + " and statistics from the hub",
     "LeverageScorePress": WHOLE_PROMPT, "CompactorPress": WHOLE_PROMPT, "NonCausalAttnPress": WHOLE_PROMPT,
@@ -76,6 +79,26 @@ def adakv_inner(press):
     return press.press if kind.__name__ == "AdaKVPress" and kind.__module__.startswith("kvpress.") else None
 
 
+def scorer_of(press) -> type:
+    """The class whose score() press runs."""
+    return next(c for c in type(press).__mro__ if "score" in vars(c))
+
+
+def inputs_read(press, press_window: int) -> int:
+    """How many of a sequence's latest positions' layer inputs press is handed at each call: what
+    kvpress's SnapKV and TOVA read (a ValueError if the engine keeps fewer), none for its other
+    presses, all the engine keeps (press_window, maybe 0) for a press of the user's own."""
+    scorer = scorer_of(press)
+    if not scorer.__module__.startswith("kvpress."):
+        return press_window
+    need = READS_WINDOW[scorer.__name__](press) if scorer.__name__ in READS_WINDOW else 0
+    if need > press_window:
+        raise ValueError(f"kv_press {type(press).__name__} reads the layer inputs of its sequence's last {need} "
+                         f"positions, and the engine keeps {press_window} (press_window): start the engine with "
+                         f"press_window >= {need}")
+    return need
+
+
 def check_press(press) -> None:
     """A TypeError or ValueError naming what is wrong with press as a request's ranking."""
     if adakv_inner(press) is not None:
@@ -85,12 +108,12 @@ def check_press(press) -> None:
     if not is_scorer_press_class(type(press)):
         raise TypeError(f"kv_press must be a kvpress ScorerPress or an AdaKVPress of one (pip install "
                         f"'nanokv[kvpress]'), got {type(press).__name__}")
-    scorer = next(c for c in type(press).__mro__ if "score" in vars(c))   # whose score() runs
-    name = scorer.__name__
-    if scorer.__module__.startswith("kvpress.") and name not in RUNS_AS_IS:
-        reads = READS.get(name, "what nanokv has not checked it reads")
-        raise ValueError(f"kv_press {name} reads {reads}; nanokv hands a press the keys and values only: "
-                         f"kvpress's presses it runs are {', '.join(RUNS_AS_IS)}, and any ScorerPress of your own")
+    for kind in (type(press), scorer_of(press)):   # a subclass of kvpress's that keeps its score() is judged by it
+        name = kind.__name__
+        if kind.__module__.startswith("kvpress.") and (name in READS or name not in (*RUNS_AS_IS, *READS_WINDOW)):
+            reads = READS.get(name, "what nanokv has not checked it reads")
+            raise ValueError(f"kv_press {name} reads {reads}: kvpress's presses nanokv runs are "
+                             f"{', '.join(sorted((*RUNS_AS_IS, *READS_WINDOW)))}, and any ScorerPress of your own")
     if press.compression_ratio:
         raise ValueError(f"kv_press compression_ratio is not read (kv_budget and kv_schedule decide how many "
                          f"pairs go): it must be 0, got {press.compression_ratio!r}")
@@ -103,10 +126,12 @@ class PressRanking(Ranking):
     default_schedule = "once"
     reads_keys = reads_values = True
 
-    def __init__(self, press):
+    def __init__(self, press, press_window: int = 0):
+        """press_window: the latest positions whose layer inputs the engine keeps for a press."""
         inner = adakv_inner(press)
         self.uneven, self.safeguard = (True, press.alpha_safeguard) if inner is not None else (False, 0.0)
         self.press = copy.copy(inner or press)   # its own copy: the compression ratio is set at each call
+        self.inputs = inputs_read(self.press, press_window)
 
     @property
     def settings(self) -> tuple:
@@ -132,7 +157,8 @@ class PressRanking(Ranking):
         priority = torch.empty(keys.shape[:-1], device=keys.device)
         for s in range(S):
             for i in range(L):
-                scores = self.press.score(held.attention(i), None, keys[s, i][None], values[s, i][None], None, {})[0]
+                module, hidden, kwargs = held.press_args(s, i)
+                scores = self.press.score(module, hidden, keys[s, i][None], values[s, i][None], None, kwargs)[0]
                 priority[s, i] = scores.float().scatter(-1, scores.topk(kept).indices, float("inf"))
         return priority
 
@@ -145,14 +171,34 @@ class PressRanking(Ranking):
         for s, layers in enumerate(held.lens.tolist()):
             safe = max(int(self.safeguard * held.num_kept[s]), 1) if self.safeguard else 0
             for i, lens in enumerate(layers):
+                module, hidden, kwargs = held.press_args(s, i)
                 for h, m in enumerate(lens):
                     head = (x[s, i, h:h + 1, :m][None] for x in (keys, values))
-                    scores = self.press.score(held.attention(i), None, *head, None, {})[0, 0].float()
+                    scores = self.press.score(module, hidden, *head, None, kwargs)[0, 0].float()
                     priority[s, i, h, :m] = scores.scatter(-1, scores.topk(min(safe, m)).indices, torch.finfo().max)
         return priority
 
 
-def attention_view(layer: int, num_heads: int, num_kv_heads: int, head_dim: int) -> SimpleNamespace:
-    """What a press may read of an HF attention module for its shapes: layer_idx, head_dim and config."""
-    config = SimpleNamespace(num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim)
-    return SimpleNamespace(layer_idx=layer, head_dim=head_dim, config=config)
+def attention_view(attention, cos_sin: torch.Tensor, dtype: torch.dtype) -> SimpleNamespace:
+    """What a press reads of an HF attention module, of nanokv's layer `attention` (models/decoder.py
+    Attention: this rank's heads, weights of dtype) and RoPE table cos_sin: layer_idx, head_dim,
+    config, q_proj and k_proj (before RoPE, Qwen3's q/k norms applied: kvpress applies them to HF's
+    own classes only) and rotary_emb (HF's cos and sin)."""
+    config = SimpleNamespace(num_attention_heads=attention.num_heads, num_key_value_heads=attention.num_kv_heads,
+                             head_dim=attention.head_dim)
+
+    def projection(part: int):
+        def project(hidden: torch.Tensor) -> torch.Tensor:   # [..., hidden] -> [..., heads * head_dim]
+            flat = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+            return attention.project(flat, None, None)[part].reshape(*hidden.shape[:-1], -1).to(hidden.dtype)
+        return project
+    return SimpleNamespace(layer_idx=attention.layer_idx, head_dim=attention.head_dim, config=config,
+                           q_proj=projection(0), k_proj=projection(1),
+                           rotary_emb=lambda x, position_ids: hf_cos_sin(cos_sin, position_ids, x.dtype))
+
+
+def hf_cos_sin(cos_sin: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's position embeddings (cos, sin), each [..., D], of rows [...] of nanokv's RoPE table
+    [rows, D] (cos of the D/2 angles, then their sin)."""
+    cos, sin = cos_sin[rows.to(cos_sin.device)].chunk(2, dim=-1)
+    return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([sin, sin], dim=-1).to(dtype)

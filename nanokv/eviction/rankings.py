@@ -29,7 +29,8 @@ class HeldPairs:
     num_kept: list[int] | None = None  # uneven: pairs each sequence's heads keep on average
     keys_values: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None   # -> K, V [S, L, H, n, head_dim],
     #                                                                                dequantized: for a press
-    attention: Callable[[int], object] | None = None   # L index -> what a press may read of that layer's attention
+    press_args: Callable[[int, int], tuple] | None = None   # (S index, L index) -> what a press's score() is
+    #                                       handed besides the pairs: (module, hidden_states, kwargs)
 
 
 class Ranking:
@@ -41,6 +42,7 @@ class Ranking:
     uneven = False                 # heads keep different numbers of pairs: whole pages go (KV-Compress)
     reads_keys = False             # keep_priority reads the keys (held.key_norms(), held.keys_values())
     reads_values = False           # and the values (held.keys_values())
+    inputs = 0                     # the layer inputs of a sequence's last `inputs` positions (held.press_args())
     default_schedule = "prefill"
     default_sinks = 0
 

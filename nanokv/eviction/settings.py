@@ -70,12 +70,13 @@ def applies(setting: str, method: str) -> bool:
     return method in OWNERS.get(setting, (method,))
 
 
-def method_for(request: EvictionSettings, engine: EvictionSettings, block_size: int) -> KVMethod:
+def method_for(request: EvictionSettings, engine: EvictionSettings, block_size: int, press_window: int = 0) -> KVMethod:
     """The request's method: each setting it leaves None takes the engine's, then the
     combination is checked (make_method). A request that names its own kv_method takes only
     the engine's settings that mean something to that method: a full-cache request on an
     engine whose default is h2o under the prefill schedule does not take the schedule. A request
-    that gives a press names its method (press), and an engine's default press is its default method."""
+    that gives a press names its method (press), and an engine's default press is its default method.
+    press_window: the latest positions whose layer inputs the engine keeps for a press."""
     own = "press" if request.kv_press is not None else request.kv_method
 
     def setting(name: str):
@@ -88,12 +89,12 @@ def method_for(request: EvictionSettings, engine: EvictionSettings, block_size: 
     return make_method(setting("kv_method"), setting("kv_schedule"), setting("kv_budget"), setting("evict_every"),
                        block_size, sinks=setting("kv_sinks"), recent=setting("kv_recent"),
                        window=setting("kv_window"), pool=setting("kv_pool"), score_all=setting("kv_score_all"),
-                       press=setting("kv_press"))
+                       press=setting("kv_press"), press_window=press_window)
 
 
 def make_method(name: str | None, schedule: str | None, budget: int | None, evict_every: int | None,
                 block_size: int, *, sinks: int | None = None, recent: int | None = None, window: int | None = None,
-                pool: int | None = None, score_all: bool | None = None, press=None) -> KVMethod:
+                pool: int | None = None, score_all: bool | None = None, press=None, press_window: int = 0) -> KVMethod:
     """The method of settings each already checked on its own, or a ValueError naming what is
     wrong with their combination. No name: the full cache, or with a budget the recommended
     method (below). None for budget and evict_every: DEFAULT_BUDGET and DEFAULT_EVERY; for
@@ -135,7 +136,7 @@ def make_method(name: str | None, schedule: str | None, budget: int | None, evic
         ranking, schedule = AverageAttention(), "decode"
     else:
         ranking = (_windowed(name, budget, window, pool, score_all) if name in ("snapkv", "kvcompress")
-                   else PressRanking(press) if name == "press" else RANKINGS[name]())
+                   else PressRanking(press, press_window) if name == "press" else RANKINGS[name]())
         schedule = schedule or ranking.default_schedule
     if schedule == "once":
         room = budget - 1

@@ -307,6 +307,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "jobs, 1 can be several times faster than threads that wait for each other")
     parser.add_argument("--kv-cache-dtype", nargs="*", default=[], choices=["int8", "fp8"],
                         help="quantized KV caches whose runs are compared with the unquantized full cache too")
+    parser.add_argument("--press-window", type=int, default=0,
+                        help="the engine's press_window: 65 for kvpress's SnapKVPress (its window of 64, and one)")
     parser.add_argument("--out", default="docs/accuracy.json", help="where the JSON goes")
     return parser.parse_args(argv)
 
@@ -319,7 +321,8 @@ def main(argv: list[str] | None = None) -> dict:
     cont_prompt = min(args.cont_prompt or args.doc_tokens, args.doc_tokens)
     started = time.perf_counter()
     llms = {kv_cache_dtype: LLM(args.model, dtype="float32", kv_cache_gb=args.kv_cache_gb,
-                                max_model_len=args.doc_tokens + args.cont_tokens, kv_cache_dtype=kv_cache_dtype)
+                                max_model_len=args.doc_tokens + args.cont_tokens, kv_cache_dtype=kv_cache_dtype,
+                                press_window=args.press_window)
             for kv_cache_dtype in ["auto", *args.kv_cache_dtype]}
     llm = llms["auto"]
     documents = load_documents(llm.tokenizer.encode, args.docs, args.doc_tokens)

@@ -59,13 +59,13 @@ def test_two_ranks_give_one_rank_s_tokens_and_kept_positions(tiny_dir, split):
     """A pool small enough to preempt: the workers' mirrors follow recomputed sequences too.
     kvcompress holds a block more for each eviction step under tensor parallelism (evict.py),
     so it preempts more often; its tokens and kept positions are still one rank's."""
-    one, two = engine(tiny_dir, num_kv_blocks=9), split(tiny_dir, 2, num_kv_blocks=9)
+    one, two = engine(tiny_dir, num_kv_blocks=9, press_window=9), split(tiny_dir, 2, num_kv_blocks=9, press_window=9)
     for method in ["full", "batchmax", "h2o", "snapkv", "ed"]:   # every schedule; every ranking: below
         assert_same(run(two, method), run(one, method))
     assert two.stats().preemptions == one.stats().preemptions > 0
     assert_same(run(two, "kvcompress"), run(one, "kvcompress"))
-    pressed = [dataclasses.replace(p, kv_method=None, kv_press=kvpress.LagKVPress(lag_size=4), kv_schedule="prefill")
-               for p in params("knorm")]   # each rank's press scores its own heads
+    snapkv = kvpress.SnapKVPress(window_size=8)   # each rank's press scores its own heads, from the layer inputs
+    pressed = [dataclasses.replace(p, kv_method=None, kv_press=snapkv, kv_schedule="prefill") for p in params("knorm")]
     assert_same(two.generate(prompts(), pressed), one.generate(prompts(), pressed))
     constrained = [dataclasses.replace(p, structured_output=StructuredOutput(regex=r"[a-z ]{30,44}"))
                    for p in params("batchmax")]   # rank 0's matchers; the workers never see them

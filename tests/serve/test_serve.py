@@ -184,7 +184,7 @@ BAD_REQUESTS = [   # (endpoint, body, status, param)
     ("completions", {"prompt": "hi", "kv_method": "magic"}, 400, "kv_method"),
     ("completions", {"prompt": "hi", "kv_method": "batchmax", "kv_budget": 3}, 400, "kv_budget"),
     ("completions", {"prompt": "hi", "kv_press": {"name": "MagicPress"}}, 400, "kv_press"),
-    ("completions", {"prompt": "hi", "kv_press": {"name": "SnapKVPress"}}, 400, "kv_press"),
+    ("completions", {"prompt": "hi", "kv_press": {"name": "SnapKVPress"}}, 400, "kv_press"),   # no press_window
     ("completions", {"prompt": "hi", "kv_press": {"name": "KnormPress", "args": {"compression_ratio": 0.5}}}, 400,
      "kv_press"),
     ("completions", {"prompt": "hi", "kv_press": "KnormPress"}, 400, "kv_press"),

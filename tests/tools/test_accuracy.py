@@ -107,7 +107,9 @@ def test_a_method_spec_may_name_a_press_and_its_fields():
     assert parse_spec("AdaKVPress,press=KnormPress,alpha_safeguard=0.5")["kv_press"] == {
         "name": "AdaKVPress", "args": {"press": "KnormPress", "alpha_safeguard": 0.5}}
     assert spec_argument("AdaKVPress,press=KnormPress") == "AdaKVPress,press=KnormPress"
-    for bad, message in (("SnapKVPress", "reads the hidden states"), ("KnormPress,norm=2", "KnormPress args"),
+    assert spec_argument("SnapKVPress@prefill,window_size=16") == "SnapKVPress@prefill,window_size=16"
+    for bad, message in (("ExpectedAttentionPress", "reads the hidden states of every position"),
+                         ("KnormPress,norm=2", "KnormPress args"),
                          ("MagicPress", "kv_press name must be one of")):
         with pytest.raises(argparse.ArgumentTypeError, match=message):
             spec_argument(bad)
