@@ -8,6 +8,11 @@ import torch
 # The scripts at the repository's root (bench.py, chat.py) import as modules.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# Each xdist worker takes its share of the cores: torch threads beyond it wait for each other's
+# (every worker busy: a fraction of the speed, docs/PERF.md). A run without workers keeps torch's.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # Before anything imports triton: without a GPU, Triton kernels run in its interpreter
 # on CPU tensors; with one, the same tests run them compiled (tests/helpers.KERNEL_DEVICE).
 if not torch.cuda.is_available():
