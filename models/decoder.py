@@ -50,11 +50,8 @@ class Attention(nn.Module):
         """q [T, Hq, D], k and v [T, Hkv, D] of layer inputs x [T, hidden], rotated by their rows
         rope_rows [T] of the cos/sin table (their positions but for LongRoPE's long prompts);
         None: not rotated (what a press reads: nanokv/eviction/press.py)."""
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        q, k, v = (part.unflatten(-1, (-1, self.head_dim))
+                   for part in self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope_rows is not None:   # before caching: a kept key keeps its position
@@ -63,7 +60,6 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 cache: KVCache, meta: AttentionMetadata, cpu_plan: kernels.StepPlan | None) -> torch.Tensor:
-        T = x.shape[0]
         q, k, v = self.project(x, positions if meta.rope_rows is None else meta.rope_rows, cos_sin)
         i = self.layer_idx   # the pool serves every layer: this layer's pages come from its tables
         if meta.host_stream is not None:   # K/V of pages staged from the host tier (models/host_stream.py)
@@ -81,7 +77,7 @@ class Attention(nn.Module):
                                       logits=cache.logits, workspace=meta.decode_workspace,
                                       cpu_plan=None if cpu_plan is None else cpu_plan.layer(i),
                                       kv_scales=cache.kv_scales)
-        return self.shard.all_reduce(self.o_proj(out.reshape(T, self.q_size)))
+        return self.shard.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class MLP(nn.Module):

@@ -167,9 +167,7 @@ class Evictor:
         fresh = [i for i, seq in enumerate(seqs) if seq.own_pages is None]
         if fresh:
             owns = [OwnPages(seqs[i].block_table.row, 0, num_slots[i]) for i in fresh]
-            width = -(-max(own.slots for own in owns) // self.block_size)
-            blocks = seqs[0].block_table.tables.ids[[own.row for own in owns], :width]
-            tables = self.cache.pages(kernels.from_host(blocks, self.device))
+            tables = self._tables([seqs[i] for i in fresh], max(own.slots for own in owns))
             lens = kernels.from_host(np.array([own.slots for own in owns], dtype=np.int32), self.device)
             self.head_tables.write(owns, tables, lens[:, None, None].expand(tables.shape[:3]))
             for i, own in zip(fresh, owns):
