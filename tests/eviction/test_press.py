@@ -71,12 +71,13 @@ def check_as_kvpress(llm: LLM, hf, prompt: list[int], ratio: float = 0.25) -> No
         assert out.token_ids == tokens, press
 
 
+@pytest.mark.parametrize("chunk", [2048, 32])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
-def test_each_press_keeps_what_kvpress_keeps_on_a_tiny_model_of_each_family(tiny_models, family):
-    """The prompt read in chunks of 32: a window of hidden states spans three of them."""
+def test_each_press_keeps_what_kvpress_keeps_on_a_tiny_model_of_each_family(tiny_models, family, chunk):
+    """The prompt read in one chunk, and in chunks of 32: a window of hidden states spans three."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_models(family), dtype=torch.float32).eval()
     llm = LLM(str(tiny_models(family)), dtype="float32", num_kv_blocks=32, max_model_len=256, press_window=WINDOW,
-              max_num_batched_tokens=32)
+              max_num_batched_tokens=chunk)
     check_as_kvpress(llm, hf, distinct_prompt(100, seed=1))
 
 
