@@ -41,14 +41,23 @@ RANKED_PAIR_BYTES = 96
 UNEVEN_RANKED_PAIR_BYTES = 384
 
 
-def ranked_pair_bytes(head_dim: int, kv_dtype: torch.dtype, method: KVMethod) -> int:
+def ranked_pair_bytes(head_dim: int, kv_dtype: torch.dtype, method: KVMethod, group: int) -> int:
     """What ranking one held pair allocates under method: a ranking that reads keys (K-norm)
     also takes each key, dequantized, in fp32; one that reads values too (a press), each value,
-    and both again in position order."""
+    and both again in position order; a press that reads layer inputs, what scoring the pair
+    against the queries of those positions takes (press_window_bytes)."""
     ranking = method.ranking
     read = head_dim * (kv_dtype.itemsize + 4) + 4
     reads = 4 * read if ranking.reads_values else read if ranking.reads_keys else 0
-    return (UNEVEN_RANKED_PAIR_BYTES if method.uneven else RANKED_PAIR_BYTES) + reads
+    return ((UNEVEN_RANKED_PAIR_BYTES if method.uneven else RANKED_PAIR_BYTES) + reads
+            + press_window_bytes(head_dim, group, ranking.inputs))
+
+
+def press_window_bytes(head_dim: int, group: int, inputs: int) -> int:
+    """What a press that reads the layer inputs of `inputs` positions takes per held pair, as
+    kvpress's SnapKV does: the key repeated for each query head of its group (fp32), and four
+    fp32 matrices [queries, pairs] of attention weights, mask and softmax a query head."""
+    return group * (4 * head_dim + 16 * inputs) if inputs else 0
 
 
 def moved_pair_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
@@ -57,11 +66,13 @@ def moved_pair_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
     return 2 * head_dim * kv_dtype.itemsize + 80
 
 
-def reserve_bytes(num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, max_model_len: int) -> int:
+def reserve_bytes(num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, max_model_len: int, group: int,
+                  press_window: int) -> int:
     """What eviction allocates at most at once: a piece, or one layer of a sequence as long as it
-    gets, ranked by the costliest ranking (an AdaKV press: uneven, reading keys and values) and every
-    pair moved."""
-    worst = UNEVEN_RANKED_PAIR_BYTES + 4 * (head_dim * (kv_dtype.itemsize + 4) + 4)
+    gets, ranked by the costliest ranking (an AdaKV press: uneven, reading keys and values, and
+    the layer inputs of the press_window positions the engine keeps) and every pair moved."""
+    worst = (UNEVEN_RANKED_PAIR_BYTES + 4 * (head_dim * (kv_dtype.itemsize + 4) + 4)
+             + press_window_bytes(head_dim, group, press_window))
     return max(PIECE_BYTES, num_kv_heads * max_model_len * (worst + moved_pair_bytes(head_dim, kv_dtype)))
 
 
@@ -122,7 +133,8 @@ class Evictor:
     def _pieces(self, num_seqs: int, method: KVMethod, num_slots: int, num_evicted: int) -> list[tuple[slice, slice]]:
         """The pieces of a group of sequences each holding num_slots pairs per head and dropping num_evicted."""
         head_dim, dtype = self.cache.k.shape[-1], self.cache.k.dtype
-        per_head = (num_slots * ranked_pair_bytes(head_dim, dtype, method)
+        group = self.press_window.model.config.num_heads // self.cache.num_kv_heads
+        per_head = (num_slots * ranked_pair_bytes(head_dim, dtype, method, group)
                     + num_evicted * moved_pair_bytes(head_dim, dtype))
         return cut_pieces(num_seqs, self.cache.num_layers, self.cache.num_kv_heads * per_head)
 

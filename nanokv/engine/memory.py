@@ -78,7 +78,8 @@ def memory_reserve(model: ModelConfig, config: EngineConfig, kv_dtype: torch.dty
     L, H = model.num_layers, model.num_kv_heads
     tables = config.max_num_seqs * L * H * -(-config.max_model_len // config.block_size) * 4
     reserve = {"step page tables": tables,
-               "eviction": evict.reserve_bytes(H, model.head_dim, kv_dtype, config.max_model_len),
+               "eviction": evict.reserve_bytes(H, model.head_dim, kv_dtype, config.max_model_len,
+                                               model.num_heads // H, config.press_window),
                "split prefill": kernels.prefill_split_bytes(model.head_dim, device),
                "allocator margin": int(ALLOCATOR_MARGIN * total_memory)}
     if graphs:

@@ -6,6 +6,7 @@ none of which waits for the device."""
 import traceback
 import warnings
 
+import kvpress
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -18,16 +19,26 @@ METHODS = ["batchmax", "h2o", "tova", "snapkv", "streamingllm", "knorm", "kvcomp
            "batchmax@decode", "h2o@once"]
 
 
+PRESSES = {"KnormPress": kvpress.KnormPress(), "SnapKVPress": kvpress.SnapKVPress(window_size=16),
+           "AdaKVPress": kvpress.AdaKVPress(kvpress.KnormPress())}
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_models):
-    return LLM(str(tiny_models("llama")), dtype="float32", num_kv_blocks=160, max_model_len=512)
+    return LLM(str(tiny_models("llama")), dtype="float32", num_kv_blocks=160, max_model_len=512, press_window=17)
+
+
+def evicting(method: str) -> SamplingParams:
+    """method: RANKING[@SCHEDULE], a ranking nanokv's or a press of PRESSES."""
+    ranking, _, schedule = method.partition("@")
+    rule = {"kv_press": PRESSES[ranking]} if ranking in PRESSES else {"kv_method": ranking}
+    return SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_budget=128, evict_every=16,
+                          kv_schedule=schedule or None, **rule, **({"kv_window": 8} if ranking == "snapkv" else {}))
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_an_eviction_writes_at_most_what_it_drops_plus_a_block_per_head(llm, method, monkeypatch):
-    ranking, _, schedule = method.partition("@")
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_method=ranking, kv_budget=128,
-                            evict_every=16, kv_schedule=schedule or None, **({"kv_window": 8} if ranking == "snapkv" else {}))
+    ranking, params = method.partition("@")[0], evicting(method)
     cache, evictor = llm.runner.kv_cache, llm.runner.evictor
     L, H, bs = cache.num_layers, cache.num_kv_heads, cache.block_size
     counts = []
@@ -87,19 +98,18 @@ class CountOps(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", METHODS + ["KnormPress@prefill", "SnapKVPress@prefill", "AdaKVPress@prefill"])
 def test_an_eviction_allocates_no_more_than_its_pieces_are_sized_by(llm, method, monkeypatch):
     """Every tensor an eviction allocates, summed (more than its peak), is within what its pieces
     count: each held pair ranked and each evicted pair moved (evict.ranked_pair_bytes,
     moved_pair_bytes)."""
-    ranking, _, schedule = method.partition("@")
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_method=ranking, kv_budget=128,
-                            evict_every=16, kv_schedule=schedule or None, **({"kv_window": 8} if ranking == "snapkv" else {}))
+    params = evicting(method)
     evictor, cache = llm.runner.evictor, llm.runner.kv_cache
     calls, counted_pieces = [], []
 
     def pieces(num_seqs, method, num_slots, num_evicted):
-        per_head = (num_slots * evict_module.ranked_pair_bytes(cache.k.shape[-1], cache.k.dtype, method)
+        group = llm.runner.model.config.num_heads // cache.num_kv_heads
+        per_head = (num_slots * evict_module.ranked_pair_bytes(cache.k.shape[-1], cache.k.dtype, method, group)
                     + num_evicted * evict_module.moved_pair_bytes(cache.k.shape[-1], cache.k.dtype))
         counted_pieces.append(num_seqs * cache.num_layers * cache.num_kv_heads * per_head)
         return sized(num_seqs, method, num_slots, num_evicted)
@@ -125,7 +135,7 @@ def test_a_paper_sized_eviction_takes_few_pieces():
     runs the same ops), every (sequence, layer) exactly once."""
     from nanokv.eviction import make_method
     method = make_method("batchmax", "prefill", 1024, 64, 16)
-    per_head = (1088 * evict_module.ranked_pair_bytes(128, torch.bfloat16, method)
+    per_head = (1088 * evict_module.ranked_pair_bytes(128, torch.bfloat16, method, 4)
                 + 64 * evict_module.moved_pair_bytes(128, torch.bfloat16))
     taken = evict_module.cut_pieces(28, 32, 8 * per_head)
     assert len(taken) <= 4
