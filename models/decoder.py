@@ -137,13 +137,19 @@ class Decoder(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    @property
+    def long_rope(self) -> bool:
+        """LongRoPE (Phi-3): a token's row of cos_sin depends on its prompt's length too."""
+        scaling = self.config.rope_scaling
+        return scaling is not None and scaling["rope_type"] == "longrope"
+
     def rope_rows(self, positions: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray | None:
         """Each token's row of cos_sin, of a sequence with a prompt of prompt_lens tokens, where
         some row is not the token's position (LongRoPE's long prompts: kernels.long_rope_rows), else None."""
-        scaling = self.config.rope_scaling
-        if scaling is None or scaling["rope_type"] != "longrope":
+        if not self.long_rope:
             return None
-        return kernels.long_rope_rows(positions, prompt_lens, scaling["original_max_position_embeddings"], self.max_len)
+        original = self.config.rope_scaling["original_max_position_embeddings"]
+        return kernels.long_rope_rows(positions, prompt_lens, original, self.max_len)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:   # tied: the embedding table is the output projection

@@ -216,7 +216,7 @@ class ModelRunner:
     def _rope_rows(self, positions: np.ndarray, seqs: list[Sequence], owners: np.ndarray) -> torch.Tensor | None:
         """Each token's row of the RoPE table (owners: the index of its sequence in seqs) where
         some row is not the token's position (LongRoPE's long prompts), else None."""
-        if self.model.config.rope_scaling is None:
+        if not self.model.long_rope:
             return None
         rows = self.model.rope_rows(positions, np.array([seq.num_prompt_tokens for seq in seqs])[owners])
         return None if rows is None else self._to_device(rows)
