@@ -17,6 +17,7 @@ the launches: a piece is as large as its bound allows.
 """
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import numpy as np
@@ -151,11 +152,12 @@ class Evictor:
         current = kernels.from_host([seq.num_computed_tokens - 1 for seq in seqs], self.device)
         scores = self.shard.sum_over_replicas(read_slots(self.cache.scores, tables, n))
         first = layers.start or 0
+        press_args = functools.cache(lambda s: self.press_window.press_args(seqs[s]))   # a sequence's, once
         return HeldPairs(read_slots(self.cache.positions, tables, n), scores, current=current[:, None, None, None],
                          key_norms=lambda: self._dequantized(tables, n, 0).norm(dim=-1), lens=lens,
                          num_evicted=num_evicted, num_kept=num_kept,
                          keys_values=lambda: (self._dequantized(tables, n, 0), self._dequantized(tables, n, 1)),
-                         press_args=lambda s, i: self.press_window.press_args(seqs[s], first + i))
+                         press_args=lambda s, i: press_args(s)(first + i))
 
     def _dequantized(self, tables: torch.Tensor, n: int, which: int) -> torch.Tensor:
         """[S, L, H, n, head_dim]: the keys (which 0) or values (1) of the first n slots, dequantized

@@ -9,6 +9,8 @@ graphs. A swapped-out sequence's ring is kept aside, its row free for another.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -45,20 +47,20 @@ class PressWindow:
         return KeptInputs(self.store, *(kernels.from_host(np.array(x, dtype=np.int64), self.device)
                                         for x in (rows, places)))
 
-    def press_args(self, seq: Sequence, layer: int) -> tuple[object, torch.Tensor | None, dict]:
-        """What seq's press is handed for layer besides the pairs: the layer's view, the layer
+    def press_args(self, seq: Sequence) -> Callable[[int], tuple[object, torch.Tensor | None, dict]]:
+        """What seq's press is handed for a layer besides the pairs: the layer's view, the layer
         inputs of the sequence's last positions [1, n, hidden] (fp32 at least), and their
-        position_embeddings; None and {} for a press that reads none."""
+        position_embeddings (found once for every layer); None and {} for a press that reads none."""
         n = min(seq.method.ranking.inputs, seq.num_computed_tokens)
         if not n:
-            return self.views[layer], None, {}
+            return lambda layer: (self.views[layer], None, {})
         positions = np.arange(seq.num_computed_tokens - n, seq.num_computed_tokens)
         places = kernels.from_host(seq.block_table.row * self.window + positions % self.window, self.device)
-        hidden = self.store[layer, places][None]
-        hidden = hidden.to(torch.promote_types(hidden.dtype, torch.float32))
+        dtype = torch.promote_types(self.store.dtype, torch.float32)
         rows = self.model.rope_rows(positions, np.full(n, seq.num_prompt_tokens))
         rows = kernels.from_host(positions if rows is None else rows, self.device)[None]
-        return self.views[layer], hidden, {"position_embeddings": hf_cos_sin(self.model.cos_sin, rows, hidden.dtype)}
+        kwargs = {"position_embeddings": hf_cos_sin(self.model.cos_sin, rows, dtype)}
+        return lambda layer: (self.views[layer], self.store[layer, places][None].to(dtype), kwargs)
 
     def keep_aside(self, seq: Sequence) -> None:
         """A copy of a swapped-out seq's ring, for while another sequence may take its row."""
