@@ -2,7 +2,10 @@
 workload that outgrows a small pool."""
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -87,3 +90,18 @@ def preemption_params(method: str) -> list[SamplingParams]:
     evicting = SamplingParams(temperature=0, max_tokens=45, ignore_eos=True, kv_method=method, kv_budget=32,
                               evict_every=16, return_kept_positions=True, **window)
     return [full] + [evicting] * 5
+
+
+@contextlib.contextmanager
+def device_waits(record: Callable[[], None]):
+    """Within it, each operation that makes the host wait for the CUDA device calls record()
+    (torch's sync debug mode). The mode's own notice, once per process, that it is a prototype
+    is not a wait."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *_, **__: None if "prototype" in str(message) else record()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)

@@ -74,16 +74,15 @@ def gpu_test_files() -> list[str]:
 
 
 def parts() -> list[Part]:
-    """The report's parts, in order; their limits add up to 8 minutes 55 s. On an H200 the gpu-marked
-    tests took 68 s, the kernel tests 50, the kernel benchmarks 27, paper mode 46, workload mode
-    about 85, host mode 23 (three batches of 100 tokens, each run once where it now runs four
-    times: timed, serial, overlapped, streamed), offload mode 29 and memcheck 31; on an H100 the
-    kernel tests took 60 s and the gpu-marked tests ran past 75 (docs/PERF.md)."""
+    """The report's parts, in order; their limits add up to 8 minutes 55 s. On an H200 (2026-11-27,
+    docs/PERF.md) with 4 pytest workers the gpu-marked tests took 54 s, the kernel tests 57, the
+    kernel benchmarks 28, paper mode 54, workload mode 76, host mode 41, offload mode 36 and
+    memcheck 51 on a fresh machine (Triton compiling under the sanitizer)."""
     pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
     if importlib.util.find_spec("xdist"):   # the lent machines have it: a file per worker, compiling in parallel
         pytest += ["-n", "4", "--dist", "loadfile"]
     return [
-        Part("gpu-marked tests", [*pytest, "-m", "gpu", *gpu_test_files()], 100, figures=gpu_targets.tests),
+        Part("gpu-marked tests", [*pytest, "-m", "gpu", *gpu_test_files()], 80, figures=gpu_targets.tests),
         Part("kernel tests, compiled on the GPU", [*pytest, "-m", "not gpu", *KERNEL_TESTS], 75,
              figures=gpu_targets.tests),
         Part("kernel benchmarks", ["-m", "nanokv.tools.kernel_bench", "--quick"], 35, figures=gpu_targets.kernels,
@@ -92,7 +91,7 @@ def parts() -> list[Part]:
              "4 GB of KV", ["bench.py", "--preset", "gpu-paper"], 75, figures=gpu_targets.paper, records=True),
         Part("workload mode, Qwen3-0.6B shape (random weights): uniform and uneven eviction",
              ["bench.py", "--mode", "workload", "--random-weights", "qwen3-0.6b", "--methods", "full", "batchmax",
-              "kvcompress", "--budgets", "512"], 110, figures=gpu_targets.workload, records=True),
+              "kvcompress", "--budgets", "512"], 100, figures=gpu_targets.workload, records=True),
         Part("host mode, Qwen3-0.6B shape: the engine's own time per decode step against the forward, "
              "decodes replayed from CUDA graphs",
              ["bench.py", "--mode", "host", "--random-weights", "qwen3-0.6b", "--batches", "1", "256",
@@ -103,7 +102,7 @@ def parts() -> list[Part]:
              ["bench.py", "--mode", "offload", "--random-weights", "qwen3-0.6b", "--methods", "full",
               "--num-requests", "8", "--output-len", "128"], 45, figures=gpu_targets.offload, records=True),
         Part("compute-sanitizer memcheck: a short graphed run, scored steps, fp8 cache",
-             ["-c", "from nanokv.tools.gpu_report import short_run; short_run()"], 40,
+             ["-c", "from nanokv.tools.gpu_report import short_run; short_run()"], 70,
              launcher=[SANITIZER, "--tool", "memcheck", "--error-exitcode", "1"], figures=gpu_targets.memcheck),
     ]
 

@@ -2,12 +2,11 @@
 before it are read. Requests get exactly what they get with overlap off: a request that
 stopped has its one extra token dropped, never shown."""
 import traceback
-import warnings
 
 import pytest
 import torch
 
-from helpers import preemption_prompts
+from helpers import device_waits, preemption_prompts
 from nanokv import LLM, SamplingParams
 from nanokv.engine import sampler as sampler_module
 
@@ -166,18 +165,12 @@ def test_a_step_is_launched_without_waiting_for_the_gpu(tiny_dir, method):
 
     def watched(batch, clock=None):
         launches.append(len(batch))
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = lambda *_, **__: waits.append(traceback.extract_stack()[-3:])
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                return run(batch, clock)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        with device_waits(lambda: waits.append(traceback.extract_stack()[-4:])):
+            return run(batch, clock)
     evicts = {} if method == "full" else dict(kv_method=method, kv_budget=64, evict_every=16)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, ignore_eos=True, logprobs=2,
                             prompt_logprobs=True, **evicts)
     llm.generate(preemption_prompts(), params)   # the decode graphs captured (that waits) before
     llm.runner.run = watched
     llm.generate(preemption_prompts(), params)
-    assert len(launches) > 40 and waits == []
+    assert len(launches) >= 40 and waits == []   # a launch for each of the 40 tokens at least

@@ -4,13 +4,12 @@ counted as the K slots whose contents it changes; it allocates no more than its 
 sized by; and a step's eviction runs the same torch ops whatever the batch and the layers,
 none of which waits for the device."""
 import traceback
-import warnings
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import VOCAB, make_tiny_model
+from helpers import VOCAB, device_waits, make_tiny_model
 from nanokv import LLM, SamplingParams
 from nanokv.engine import evict as evict_module
 
@@ -222,14 +221,8 @@ def test_evictions_and_step_inputs_do_not_wait_for_the_gpu(tmp_path, method):
     def watched(name, run):
         def call(*args):
             calls.append(name)
-            with warnings.catch_warnings():
-                warnings.simplefilter("always")
-                warnings.showwarning = lambda *_, **__: synced[name].append(waiting_at())
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    return run(*args)
-                finally:
-                    torch.cuda.set_sync_debug_mode(0)
+            with device_waits(lambda: synced[name].append(waiting_at())):
+                return run(*args)
         return call
     runner.evictor.evict = watched("evict", runner.evictor.evict)
     runner.prepare = watched("prepare", runner.prepare)
