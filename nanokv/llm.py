@@ -207,10 +207,12 @@ class LLM:
                            *self.runner.evictor.pair_counts.tolist())
 
     @contextlib.contextmanager
-    def timing(self) -> Iterator[Timings]:
-        """Time the phases of every step inside the block (the device is synchronised around
-        each, which slows it a little); yields the running totals, also in stats()."""
-        self._timings = timings = Timings()
+    def timing(self, synchronize: bool = True) -> Iterator[Timings]:
+        """Time the phases of every step inside the block; yields the running totals, also in
+        stats(). synchronize: the device synchronised around each phase, so that each is its own
+        (the steps no longer overlap); without, the steps run as they do untimed and the phases
+        are the host's (nanokv/engine/timing.py)."""
+        self._timings = timings = Timings(synchronized=synchronize)
         try:
             yield timings
         finally:
@@ -284,6 +286,7 @@ class LLM:
         """The step's tokens read and recorded: stops checked, text detokenized, outputs made.
         A token of a request that finished since (a stop the step before, an abort) is dropped."""
         tokens = sampled.read()
+        clock.lap("wait")
         done = {seq.seq_id: reason for seq, reason in self.scheduler.record(sampled.seqs, tokens)}
         logprobs = sampled.read_logprobs(tokens)
         clock.lap("update")

@@ -76,19 +76,20 @@ def gpu_test_files() -> list[str]:
 def parts() -> list[Part]:
     """The report's parts, in order; their limits add up to 8 minutes 55 s. On an H200 (2026-11-27,
     docs/PERF.md) with 4 pytest workers the gpu-marked tests took 54 s, the kernel tests 57, the
-    kernel benchmarks 28, paper mode 54, workload mode 76, host mode 41, offload mode 36 and
-    memcheck 51 on a fresh machine (Triton compiling under the sanitizer)."""
+    kernel benchmarks 28 (before they profiled a second decode step), paper mode 54, workload
+    mode 76, host mode 41, offload mode 36 and memcheck 51 on a fresh machine (Triton compiling
+    under the sanitizer)."""
     pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
     if importlib.util.find_spec("xdist"):   # the lent machines have it: a file per worker, compiling in parallel
         pytest += ["-n", "4", "--dist", "loadfile"]
     return [
-        Part("gpu-marked tests", [*pytest, "-m", "gpu", *gpu_test_files()], 80, figures=gpu_targets.tests),
+        Part("gpu-marked tests", [*pytest, "-m", "gpu", *gpu_test_files()], 75, figures=gpu_targets.tests),
         Part("kernel tests, compiled on the GPU", [*pytest, "-m", "not gpu", *KERNEL_TESTS], 75,
              figures=gpu_targets.tests),
-        Part("kernel benchmarks", ["-m", "nanokv.tools.kernel_bench", "--quick"], 35, figures=gpu_targets.kernels,
+        Part("kernel benchmarks", ["-m", "nanokv.tools.kernel_bench", "--quick"], 45, figures=gpu_targets.kernels,
              records=True),
         Part("paper mode at the paper's setting: Llama-3.1-8B shape (random weights), input 3584, output 512, "
-             "4 GB of KV", ["bench.py", "--preset", "gpu-paper"], 75, figures=gpu_targets.paper, records=True),
+             "4 GB of KV", ["bench.py", "--preset", "gpu-paper"], 70, figures=gpu_targets.paper, records=True),
         Part("workload mode, Qwen3-0.6B shape (random weights): uniform and uneven eviction",
              ["bench.py", "--mode", "workload", "--random-weights", "qwen3-0.6b", "--methods", "full", "batchmax",
               "kvcompress", "--budgets", "512"], 100, figures=gpu_targets.workload, records=True),

@@ -65,10 +65,8 @@ def kernels(output: str, records: list[dict]) -> list[Figure]:
                               int8 and bf16 and int8["us"] / bf16["us"], 1.0, above=False))
     for r in (r for r in records if r.get("kind") == "prefill"):
         figures.append(_ratio(f"prefill {r['case']}: speed / SDPA flash's", r["vs_sdpa"], 0.8, above=True))
-    step = _one(records, kind="decode_step")
-    if step:
-        figures.append(Figure("decode step, llama-3.1-8b shape, batch 64, context 1k: time / roofline",
-                              f"{step['vs_roofline']:.2f}x"))
+    for step in (r for r in records if r.get("kind") == "decode_step"):
+        figures.append(Figure(f"decode step, {step['case']}: time / roofline", f"{step['vs_roofline']:.2f}x"))
     return figures
 
 

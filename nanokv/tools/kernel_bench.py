@@ -7,7 +7,9 @@ bf16 matmul) and then each kernel as a fraction of the relevant ceiling or
 of torch's SDPA (flash backend) on contiguous tensors. Every case is run once
 before it is timed (compilation stays out), and timed as replays of a CUDA
 graph, as the engine's decode steps run: the device's time, not Python's
-launch overhead. Prints markdown tables for docs/PERF.md; --out appends each
+launch overhead. Last, whole decode steps of the paper mode's and the workload
+mode's shapes against their memory roofline, each with the kernels its time goes
+to (torch.profiler). Prints markdown tables for docs/PERF.md; --out appends each
 case as a JSON line.
 """
 from __future__ import annotations
@@ -183,39 +185,84 @@ def elementwise_table(records: list[dict]) -> list[str]:
         f"| {r['op']} | {r['shape']} | {r['us']:.1f} | {100 * r['copy_share']:.0f}% |" for r in records]
 
 
-def bench_decode_step(bw: float) -> list[dict]:
-    """A Llama-3.1-8B-shaped decode step, batch 64, context 1k, replayed from a CUDA graph."""
-    batch, ctx, block, max_len = 64, 1024, 16, 2048
-    model = load_model("random:llama-3.1-8b", shape_config("llama-3.1-8b"), torch.bfloat16, torch.device("cuda"),
-                       max_len)
+STEP_CASES = (("llama-3.1-8b", 64), ("qwen3-0.6b", 128))   # the paper mode's shape, the workload mode's
+STEP_CONTEXT, STEP_MAX_LEN, STEP_BLOCK = 1024, 2048, 16
+
+
+def decode_step(shape: str, batch: int):
+    """A decode step of shape (random bf16 weights) at batch, every sequence at STEP_CONTEXT,
+    replayed from a CUDA graph: (a function that runs it, the bytes its memory roofline reads:
+    every weight once, the embedding only by row unless it is the output head too, and K and V)."""
+    model = load_model(f"random:{shape}", shape_config(shape), torch.bfloat16, torch.device("cuda"), STEP_MAX_LEN)
     cfg = model.config
-    per_seq = max_len // block
+    per_seq = STEP_MAX_LEN // STEP_BLOCK
     device = torch.device("cuda", torch.cuda.current_device())
-    cache = KVCache(cfg, batch * per_seq, block, torch.bfloat16, device)
+    cache = KVCache(cfg, batch * per_seq, STEP_BLOCK, torch.bfloat16, device)
     cache.k.normal_()
     cache.v.normal_()
     workspace = decode_workspace_for(batch, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, device)
-    graphs = DecodeGraphs(model, cache, workspace, batch, per_seq, max_len)
+    graphs = DecodeGraphs(model, cache, workspace, batch, per_seq, STEP_MAX_LEN)
     blocks = torch.arange(batch * per_seq, device="cuda").view(batch, per_seq)
     tables = cache.batch_pages(blocks)                                   # [L, B, Hkv, nb]: each head's pages
     ids = torch.randint(0, cfg.vocab_size, (batch,), device="cuda")
-    positions = torch.full((batch,), ctx - 1, device="cuda")
-    slots = tables[..., (ctx - 1) // block].long() * block + (ctx - 1) % block
+    last = STEP_CONTEXT - 1
+    positions = torch.full((batch,), last, device="cuda")
+    slots = tables[..., last // STEP_BLOCK].long() * STEP_BLOCK + last % STEP_BLOCK
     meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=torch.arange(batch + 1, device="cuda", dtype=torch.int32),
-                             context_lens=torch.full(tables.shape[:3], ctx, device="cuda", dtype=torch.int32),
-                             page_tables=tables, max_query_len=1, max_context_len=max_len)
-    t = ms(lambda: graphs.run(ids, positions, meta), graph=False)   # the step is a graph already
+                             context_lens=torch.full(tables.shape[:3], STEP_CONTEXT, device="cuda", dtype=torch.int32),
+                             page_tables=tables, max_query_len=1, max_context_len=STEP_MAX_LEN)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights -= model.embed_tokens.weight.numel() * 2   # the embedding is gathered, not read whole
-    kv = 2 * cfg.num_layers * batch * ctx * cfg.num_kv_heads * cfg.head_dim * 2
-    roofline = (weights + kv) / bw * 1e3
-    return [dict(kind="decode_step", case="llama-3.1-8b shape, bf16, batch 64, context 1k, CUDA graph", ms=t,
-                 roofline_ms=roofline, vs_roofline=t / roofline)]
+    if model.lm_head is not None:
+        weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    kv = 2 * cfg.num_layers * batch * STEP_CONTEXT * cfg.num_kv_heads * cfg.head_dim * 2
+    return (lambda: graphs.run(ids, positions, meta)), weights + kv
+
+
+def kernel_breakdown(run, runs: int = 20) -> list[dict]:
+    """The kernels one call of run launches, by device time (torch.profiler over runs calls)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            run()
+        torch.cuda.synchronize()
+    return largest_kernels([(e.key, e.count, e.device_time_total) for e in prof.key_averages()], runs)
+
+
+def largest_kernels(events: list[tuple[str, int, float]], runs: int, top: int = 12) -> list[dict]:
+    """(kernel, launches, device us) over runs calls -> per call, the longest first: the top ones,
+    then the rest as one row; share: of all kernels' time."""
+    events = sorted((e for e in events if e[2] > 0), key=lambda e: -e[2])
+    total = sum(e[2] for e in events)
+    shown, rest = events[:top], events[top:]
+    if rest:
+        shown.append((f"{len(rest)} other kernels", sum(e[1] for e in rest), sum(e[2] for e in rest)))
+    return [dict(kernel=name, launches=count / runs, us=us / runs, share=us / total) for name, count, us in shown]
+
+
+def bench_decode_step(bw: float) -> list[dict]:
+    """Each of STEP_CASES' decode steps against its roofline, and where its time goes."""
+    records = []
+    for shape, batch in STEP_CASES:
+        run, roofline_bytes = decode_step(shape, batch)
+        t = ms(run, graph=False)   # the step is a graph already
+        roofline = roofline_bytes / bw * 1e3
+        records.append(dict(kind="decode_step", shape=shape, batch=batch, ms=t, roofline_ms=roofline,
+                            vs_roofline=t / roofline, case=f"{shape} shape, bf16, batch {batch}, context 1k, CUDA graph",
+                            kernels=kernel_breakdown(run)))
+        del run
+        torch.cuda.empty_cache()
+    return records
 
 
 def decode_step_table(records: list[dict]) -> list[str]:
-    return ["| step | ms | roofline ms (weights + KV over copy bw) | ratio |", "| --- | --- | --- | --- |"] + [
+    lines = ["| step | ms | roofline ms (weights + KV over copy bw) | ratio |", "| --- | --- | --- | --- |"] + [
         f"| {r['case']} | {r['ms']:.2f} | {r['roofline_ms']:.2f} | {r['vs_roofline']:.2f} |" for r in records]
+    for r in records:
+        busy = sum(k["us"] for k in r["kernels"])
+        lines += ["", f"{r['shape']}, batch {r['batch']}: kernels busy {busy / 1e3:.2f} ms of the {r['ms']:.2f} ms step",
+                  "| kernel | launches | us | share |", "| --- | --- | --- | --- |"]
+        lines += [f"| {k['kernel'][:70]} | {k['launches']:.0f} | {k['us']:.1f} | {k['share']:.0%} |" for k in r["kernels"]]
+    return lines
 
 
 def main() -> None:

@@ -87,7 +87,11 @@ def warm_up(llm, input_len: int, args) -> None:
 def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: bool) -> dict:
     """Submit (prompt, SamplingParams) requests at once, step the engine until they are
     done, and say what it cost. static: stop as soon as the batch is known not to fit
-    (a request waits after a step, or one was preempted) and report it as not fitting."""
+    (a request waits after a step, or one was preempted) and report it as not fitting; its
+    phases are timed with the device synchronised at each (what eviction and prefill cost the
+    device). A continuous run's are not, so its steps overlap as a server's do: its decode
+    ms/step is each decode step's wall time, its evict s and host ms/step the host's own time,
+    and wait ms/step how long the host waited for the device."""
     cuda = llm.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(llm.device)
@@ -95,7 +99,7 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
     tokens = peak_blocks = max_running = decode_batch = decode_context = 0
     stats = before = llm.stats()
     start = time.perf_counter()
-    with llm.timing() as timings:
+    with llm.timing(synchronize=static) as timings:
         ids = [llm.add_request(prompt, params) for prompt, params in requests]
         while llm.has_unfinished():
             decode_steps = timings.decode_steps
@@ -122,6 +126,7 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
         prefill_s=prefill_s, decode_s=decode_s, evict_s=timings.decode["evict"] + timings.prefill["evict"],
         host_ms_per_step=1e3 * (timings.host_s("decode") + timings.host_s("prefill"))
         / max(steps + timings.prefill_steps, 1),
+        wait_ms_per_step=1e3 * (timings.decode["wait"] + timings.prefill["wait"]) / max(steps + timings.prefill_steps, 1),
         prefill_steps=timings.prefill_steps, decode_steps=steps,
         mean_decode_batch=decode_batch / steps if steps else None,
         mean_decode_context=decode_context / decode_batch if decode_batch else None,

@@ -1,4 +1,6 @@
 """The batched sampler, and how stop conditions and streaming behave in the engine."""
+import time
+
 import pytest
 import torch
 
@@ -251,15 +253,20 @@ def test_a_stop_string_in_the_last_token_finishes_the_request_once_as_stop(llm, 
     assert llm.blocks.num_free == llm.blocks.num_blocks
 
 
-def test_timing_records_every_phase_of_the_steps_inside(llm):
+@pytest.mark.parametrize("synchronize", [True, False])
+def test_timing_records_every_phase_of_the_steps_inside(llm, synchronize):
     assert llm.stats().timings is None
-    with llm.timing() as timings:
+    start = time.perf_counter()
+    with llm.timing(synchronize) as timings:
         llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         inside = llm.stats()
+    wall = time.perf_counter() - start
     assert llm.stats().timings is None and inside.timings == timings   # a copy, taken inside
-    assert timings.prefill_steps == 1 and timings.decode_steps == 5
+    assert timings.prefill_steps == 1 and timings.decode_steps == 5 and timings.synchronized == synchronize
     assert all(seconds > 0 for seconds in timings.decode.values())
-    assert timings.host_s("decode") == pytest.approx(sum(timings.decode.values()) - timings.decode["forward"])
+    assert sum(timings.decode.values()) + sum(timings.prefill.values()) <= wall   # the steps' time, no more
+    assert timings.host_s("decode") == pytest.approx(
+        sum(timings.decode.values()) - timings.decode["forward"] - timings.decode["wait"])
     assert inside.running == inside.waiting == 0 and inside.free_blocks == inside.total_blocks
 
 
