@@ -10,7 +10,7 @@ pages chosen across all its heads and layers, of every rank when the model is sp
 (nanokv/eviction/pages.py).
 
 Ranking allocates memory per held pair and moving per evicted pair (ranked_pair_bytes, moved_pair_bytes),
-so the pairs are taken a piece at a time, (sequences, layers), each within PIECE_BYTES but at
+so the pairs are taken a piece at a time, (sequences, layers), each within piece_bytes but at
 least one layer of one sequence: reserve_bytes is what the pool sizing sets aside for it.
 Each piece costs the same torch ops whatever it holds, so the fewer the pieces, the fewer
 the launches: a piece is as large as its bound allows.
@@ -35,6 +35,7 @@ from nanokv.eviction.holes import hole_moves, lowest
 from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, page_costs, repage
 
 PIECE_BYTES = 256 * 2**20
+PIECE_SHARE = 64   # on a GPU a piece may take 1/64 of its memory, if that is more than PIECE_BYTES
 # What ranking and choosing allocate per held pair, all of it counted (tests/eviction/test_eviction_cost.py
 # measures it): positions, scores, priorities, the selection's masks and indices; KV-Compress sorts
 # every head's slots into eviction order, then its holes and its movers.
@@ -68,24 +69,34 @@ def moved_pair_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
 
 
 def reserve_bytes(num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, max_model_len: int, group: int,
-                  press_window: int) -> int:
-    """What eviction allocates at most at once: a piece, or one layer of a sequence as long as it
-    gets, ranked by the costliest ranking (an AdaKV press: uneven, reading keys and values, and
-    the layer inputs of the press_window positions the engine keeps) and every pair moved."""
+                  press_window: int, bound: int) -> int:
+    """What eviction allocates at most at once: a piece (within bound), or one layer of a
+    sequence as long as it gets, ranked by the costliest ranking (an AdaKV press: uneven,
+    reading keys and values, and the layer inputs of the press_window positions the engine
+    keeps) and every pair moved."""
     worst = (UNEVEN_RANKED_PAIR_BYTES + 4 * (head_dim * (kv_dtype.itemsize + 4) + 4)
              + press_window_bytes(head_dim, group, press_window))
-    return max(PIECE_BYTES, num_kv_heads * max_model_len * (worst + moved_pair_bytes(head_dim, kv_dtype)))
+    return max(bound, num_kv_heads * max_model_len * (worst + moved_pair_bytes(head_dim, kv_dtype)))
 
 
-def cut_pieces(num_seqs: int, num_layers: int, layer_bytes: int) -> list[tuple[slice, slice]]:
-    """(sequences, layers) of a group, each within PIECE_BYTES when one layer of one sequence
+def piece_bytes(device: torch.device) -> int:
+    """The bound on one piece on device: PIECE_BYTES, or a GPU's memory over PIECE_SHARE if that
+    is more. Every piece runs the same launches, so a large GPU evicts a batch in few: kvcompress
+    at the Qwen3-0.6B shape allocates ~200 MB per sequence, one sequence a piece of PIECE_BYTES."""
+    if device.type != "cuda":
+        return PIECE_BYTES
+    return max(PIECE_BYTES, torch.cuda.get_device_properties(device).total_memory // PIECE_SHARE)
+
+
+def cut_pieces(num_seqs: int, num_layers: int, layer_bytes: int, bound: int) -> list[tuple[slice, slice]]:
+    """(sequences, layers) of a group, each within bound bytes when one layer of one sequence
     costs layer_bytes: whole sequences while one fits, else one sequence's layers a few at a
     time (at least one)."""
-    layers = max(1, min(num_layers, PIECE_BYTES // layer_bytes))
+    layers = max(1, min(num_layers, bound // layer_bytes))
     if layers < num_layers:
         return [(slice(s, s + 1), slice(first, first + layers))
                 for s in range(num_seqs) for first in range(0, num_layers, layers)]
-    seqs = max(1, PIECE_BYTES // (num_layers * layer_bytes))
+    seqs = max(1, bound // (num_layers * layer_bytes))
     return [(slice(first, first + seqs), slice(None)) for first in range(0, num_seqs, seqs)]
 
 
@@ -98,6 +109,7 @@ def read_slots(per_slot: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Te
 class Evictor:
     def __init__(self, cache: KVCache, head_tables: HeadTables, press_window: PressWindow, shard: Shard = Shard()):
         self.cache, self.block_size, self.device = cache, cache.block_size, cache.k.device
+        self.piece_bytes = piece_bytes(self.device)
         self.press_window = press_window   # what a press is handed besides the pairs
         self.head_tables = head_tables   # an uneven method's own pages, after its first eviction
         self.shard = shard   # a split model's replicated KV heads sum their scores over their replicas
@@ -137,7 +149,7 @@ class Evictor:
         group = self.press_window.model.config.num_heads // self.cache.num_kv_heads
         per_head = (num_slots * ranked_pair_bytes(head_dim, dtype, method, group)
                     + num_evicted * moved_pair_bytes(head_dim, dtype))
-        return cut_pieces(num_seqs, self.cache.num_layers, self.cache.num_kv_heads * per_head)
+        return cut_pieces(num_seqs, self.cache.num_layers, self.cache.num_kv_heads * per_head, self.piece_bytes)
 
     def _tables(self, seqs: list[Sequence], num_slots: int) -> torch.Tensor:
         """[S, L, Hkv, nb]: each head's pages holding the sequences' first num_slots slots."""

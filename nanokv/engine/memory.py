@@ -79,7 +79,7 @@ def memory_reserve(model: ModelConfig, config: EngineConfig, kv_dtype: torch.dty
     tables = config.max_num_seqs * L * H * -(-config.max_model_len // config.block_size) * 4
     reserve = {"step page tables": tables,
                "eviction": evict.reserve_bytes(H, model.head_dim, kv_dtype, config.max_model_len,
-                                               model.num_heads // H, config.press_window),
+                                               model.num_heads // H, config.press_window, evict.piece_bytes(device)),
                "split prefill": kernels.prefill_split_bytes(model.head_dim, device),
                "allocator margin": int(ALLOCATOR_MARGIN * total_memory)}
     if graphs:

@@ -4,6 +4,7 @@ counted as the K slots whose contents it changes; it allocates no more than its 
 sized by; and a step's eviction runs the same torch ops whatever the batch and the layers,
 none of which waits for the device."""
 import traceback
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -142,10 +143,28 @@ def test_a_paper_sized_eviction_takes_few_pieces():
     method = make_method("batchmax", "prefill", 1024, 64, 16)
     per_head = (1088 * evict_module.ranked_pair_bytes(128, torch.bfloat16, method, 4)
                 + 64 * evict_module.moved_pair_bytes(128, torch.bfloat16))
-    taken = evict_module.cut_pieces(28, 32, 8 * per_head)
+    taken = evict_module.cut_pieces(28, 32, 8 * per_head, evict_module.PIECE_BYTES)
     assert len(taken) <= 4
     covered = [(s, l) for seqs, layers in taken for s in range(28)[seqs] for l in range(32)[layers]]
     assert sorted(covered) == [(s, l) for s in range(28) for l in range(32)]
+
+
+def test_kvcompress_on_a_large_gpu_takes_few_pieces(monkeypatch):
+    """kvcompress at the workload mode's Qwen3-0.6B shape (bf16, 28 layers, 8 KV heads of 128,
+    group 2): a sequence whose widest head holds 1024 pairs, any of which it may give up, is
+    ~200 MB to rank and move. Within PIECE_BYTES that is a piece a sequence, 16 pieces for 16
+    sequences; an 80 GB GPU's bound takes them in 4, and the pool sizing sets that bound aside."""
+    from nanokv.eviction import make_method
+    method = make_method("kvcompress", "prefill", 512, 64, 16)
+    per_head = 1024 * (evict_module.ranked_pair_bytes(128, torch.bfloat16, method, 2)
+                       + evict_module.moved_pair_bytes(128, torch.bfloat16))
+    assert len(evict_module.cut_pieces(16, 28, 8 * per_head, evict_module.PIECE_BYTES)) == 16
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    bound = evict_module.piece_bytes(gpu)
+    assert len(evict_module.cut_pieces(16, 28, 8 * per_head, bound)) == 4
+    assert evict_module.reserve_bytes(8, 128, torch.bfloat16, 2048, 2, 0, bound) == bound
+    assert evict_module.piece_bytes(torch.device("cpu")) == evict_module.PIECE_BYTES
 
 
 
