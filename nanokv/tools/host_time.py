@@ -43,16 +43,18 @@ COLUMNS = ("host", *[p for p in PHASES if p != "forward"], "forward", "serial", 
 
 
 def host_run(llm: LLM, batch: int, method: str, args) -> dict:
-    """One batch run to its end, after a shorter warm-up, four times: timed phase by phase (milliseconds per decode step
-    of each), then untimed through generate() with overlap_steps on and off, and through step()
-    as a server streams: per step (prefill steps too), the wall time the forward passes do not
-    account for, what a device waits for."""
+    """One batch run to its end, after a shorter warm-up, four times: timed phase by phase
+    (milliseconds per decode step of each), then untimed through generate() with overlap_steps
+    on and off, and through step() as a server streams: per step (prefill steps too), the wall
+    time the forward passes do not account for, what a device waits for."""
     rng = random.Random(0)
     vocab = llm.model_config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(batch)]
     eviction = {} if method == "full" else dict(kv_budget=args.budgets[0], evict_every=args.evict_every)
+
     def sampling(max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **eviction, **parse_spec(method))
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **eviction,
+                              **parse_spec(method))
     params = sampling(args.output_len)
     # Warm-up, through an eviction in decode: a forward that compiles a kernel is no step's time,
     # and with caching on the four runs below all find the prompts cached.

@@ -208,9 +208,9 @@ def decode_step(shape: str, batch: int):
     last = STEP_CONTEXT - 1
     positions = torch.full((batch,), last, device="cuda")
     slots = tables[..., last // STEP_BLOCK].long() * STEP_BLOCK + last % STEP_BLOCK
+    lens = torch.full(tables.shape[:3], STEP_CONTEXT, device="cuda", dtype=torch.int32)
     meta = AttentionMetadata(slot_mapping=slots, cu_seqlens_q=torch.arange(batch + 1, device="cuda", dtype=torch.int32),
-                             context_lens=torch.full(tables.shape[:3], STEP_CONTEXT, device="cuda", dtype=torch.int32),
-                             page_tables=tables, max_query_len=1, max_context_len=STEP_MAX_LEN)
+                             context_lens=lens, page_tables=tables, max_query_len=1, max_context_len=STEP_MAX_LEN)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if model.lm_head is not None:
         weights -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
@@ -247,8 +247,8 @@ def bench_decode_step(bw: float) -> list[dict]:
         t = ms(run, graph=False)   # the step is a graph already
         roofline = roofline_bytes / bw * 1e3
         records.append(dict(kind="decode_step", shape=shape, batch=batch, ms=t, roofline_ms=roofline,
-                            vs_roofline=t / roofline, case=f"{shape} shape, bf16, batch {batch}, context 1k, CUDA graph",
-                            kernels=kernel_breakdown(run)))
+                            vs_roofline=t / roofline, kernels=kernel_breakdown(run),
+                            case=f"{shape} shape, bf16, batch {batch}, context 1k, CUDA graph"))
         del run
         torch.cuda.empty_cache()
     return records
@@ -259,9 +259,10 @@ def decode_step_table(records: list[dict]) -> list[str]:
         f"| {r['case']} | {r['ms']:.2f} | {r['roofline_ms']:.2f} | {r['vs_roofline']:.2f} |" for r in records]
     for r in records:
         busy = sum(k["us"] for k in r["kernels"])
-        lines += ["", f"{r['shape']}, batch {r['batch']}: kernels busy {busy / 1e3:.2f} ms of the {r['ms']:.2f} ms step",
-                  "| kernel | launches | us | share |", "| --- | --- | --- | --- |"]
-        lines += [f"| {k['kernel'][:70]} | {k['launches']:.0f} | {k['us']:.1f} | {k['share']:.0%} |" for k in r["kernels"]]
+        lines += ["", f"{r['shape']}, batch {r['batch']}: kernels busy {busy / 1e3:.2f} ms of the {r['ms']:.2f} ms "
+                  "step", "| kernel | launches | us | share |", "| --- | --- | --- | --- |"]
+        lines += [f"| {k['kernel'][:70]} | {k['launches']:.0f} | {k['us']:.1f} | {k['share']:.0%} |"
+                  for k in r["kernels"]]
     return lines
 
 

@@ -126,7 +126,8 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
         prefill_s=prefill_s, decode_s=decode_s, evict_s=timings.decode["evict"] + timings.prefill["evict"],
         host_ms_per_step=1e3 * (timings.host_s("decode") + timings.host_s("prefill"))
         / max(steps + timings.prefill_steps, 1),
-        wait_ms_per_step=1e3 * (timings.decode["wait"] + timings.prefill["wait"]) / max(steps + timings.prefill_steps, 1),
+        wait_ms_per_step=1e3 * (timings.decode["wait"] + timings.prefill["wait"])
+        / max(steps + timings.prefill_steps, 1),
         prefill_steps=timings.prefill_steps, decode_steps=steps,
         mean_decode_batch=decode_batch / steps if steps else None,
         mean_decode_context=decode_context / decode_batch if decode_batch else None,

@@ -160,7 +160,8 @@ def test_kvcompress_on_a_large_gpu_takes_few_pieces(monkeypatch):
                        + evict_module.moved_pair_bytes(128, torch.bfloat16))
     assert len(evict_module.cut_pieces(16, 28, 8 * per_head, evict_module.PIECE_BYTES)) == 16
     gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    eighty_gb = SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: eighty_gb)
     bound = evict_module.piece_bytes(gpu)
     assert len(evict_module.cut_pieces(16, 28, 8 * per_head, bound)) == 4
     assert evict_module.reserve_bytes(8, 128, torch.bfloat16, 2048, 2, 0, bound) == bound
