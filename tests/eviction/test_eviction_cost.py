@@ -168,8 +168,6 @@ def test_kvcompress_on_a_large_gpu_takes_few_pieces(monkeypatch):
     assert evict_module.piece_bytes(torch.device("cpu")) == evict_module.PIECE_BYTES
 
 
-
-
 @pytest.mark.parametrize("method", ["batchmax", "h2o@prefill", "streamingllm", "knorm@decode", "snapkv@prefill",
                                     "kvcompress"])
 def test_an_eviction_step_runs_the_same_ops_whatever_the_batch_and_layers(tmp_path, method):
