@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import bench
+from nanokv import LLM
 from nanokv.tools import throughput
 
 RECORD_FIELDS = {"device", "model", "dtype", "mode", "method", "budget", "batch", "input_len", "output_len",
@@ -127,8 +128,14 @@ TOY = ["--input-len", "48", "--output-len", "4", "--kv-cache-gb", "0.00009", "--
        "--evict-every", "16", "--dtype", "float32", "--threads", "1"]
 
 
-def test_paper_mode_end_to_end(tiny_dir, tmp_path, capsys):
+def test_paper_mode_end_to_end(tiny_dir, tmp_path, capsys, monkeypatch):
     out, png = tmp_path / "runs.jsonl", tmp_path / "plot.png"
+    synchronized, timing = [], LLM.timing
+
+    def recorded(llm, synchronize=True):   # static batches' steps synchronised, continuous ones overlapping
+        synchronized.append(synchronize)
+        return timing(llm, synchronize)
+    monkeypatch.setattr(LLM, "timing", recorded)
     records = bench.main(["--mode", "paper", "--model", str(tiny_dir), *TOY, "--max-batch", "8", "--num-requests", "6",
                           "--out", str(out), "--plot", str(png)])
     assert [json.loads(line) for line in out.read_text().splitlines()] == records
@@ -155,8 +162,11 @@ def test_paper_mode_end_to_end(tiny_dir, tmp_path, capsys):
     continuous = [r for r in records if r["mode"] == "continuous"]
     assert {(r["method"], r["budget"]) for r in continuous} >= {("decode_only", 32), ("full", None)}
     assert all(r["fits"] and r["batch"] == 6 and r["output_tokens"] == 6 * 4 for r in continuous)
+    assert synchronized == [r["mode"] == "static" for r in records]
+    assert all(r["wait_ms_per_step"] >= 0 for r in continuous)
     table = capsys.readouterr().out
     assert "static batches" in table and "continuous batching" in table and "batchmax |kv|=32" in table
+    assert "wait ms/step" in table
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
