@@ -230,9 +230,12 @@ def kernel_breakdown(run, runs: int = 20) -> list[dict]:
 
 def largest_kernels(events: list[tuple[str, int, float]], runs: int, top: int = 12) -> list[dict]:
     """(kernel, launches, device us) over runs calls -> per call, the longest first: the top ones,
-    then the rest as one row; share: of all kernels' time."""
+    then the rest as one row; share: of all kernels' time. None seen (a profiler that traces no
+    kernel): no rows."""
     events = sorted((e for e in events if e[2] > 0), key=lambda e: -e[2])
     total = sum(e[2] for e in events)
+    if not total:
+        return []
     shown, rest = events[:top], events[top:]
     if rest:
         shown.append((f"{len(rest)} other kernels", sum(e[1] for e in rest), sum(e[2] for e in rest)))

@@ -13,6 +13,7 @@ def test_largest_kernels_per_call_longest_first_and_the_rest_in_one_row():
     assert [r["launches"] for r in rows] == [3, 1, 3] and [r["us"] for r in rows] == [30, 15, 5]
     assert sum(r["share"] for r in rows) == pytest.approx(1) and rows[0]["share"] == 0.6
     assert [r["kernel"] for r in largest_kernels(events, runs=20)] == ["gemm", "decode", "rms_norm", "rope"]
+    assert largest_kernels([("cudaGraphLaunch", 20, 0.0)], runs=20) == []
 
 
 def test_each_decode_step_its_table_and_figure():
