@@ -1,6 +1,7 @@
 """The shape of the code, held to what README says of it: the packages stack one way
 (a module imports only from its own layer or below), no imports run in a circle, no
-module is over ~400 lines, and a built wheel holds every package and imports."""
+module is over ~400 lines, a built wheel holds every package and imports, and starting the
+engine imports no compiler."""
 import ast
 import os
 import shutil
@@ -127,3 +128,14 @@ def test_the_wheel_holds_every_module_and_imports_them(wheel, tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith(str(tmp_path / "site"))
+
+
+def test_starting_the_engine_leaves_the_compiler_unimported():
+    """What chat.py, the server and every tensor-parallel rank import at their start: not
+    torch.compile's machinery (torch._dynamo, torch._inductor), which takes seconds to import
+    and which the engine never uses."""
+    script = ("import sys\nimport nanokv, nanokv.engine.workers, nanokv.serve.server\n"
+              "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', 'torch._inductor'))))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -8,7 +8,6 @@ import json
 from collections.abc import Callable
 
 import llguidance
-import llguidance.torch
 import torch
 
 import kernels
@@ -87,7 +86,10 @@ def fill_masks(grammars: list[Grammar], vocab_size: int) -> torch.Tensor:
         if matcher.is_error():
             raise ValueError(f"the output left its structured_output grammar: {matcher.get_error()}")
     masks = torch.empty(len(matchers), -(-vocab_size // BITS), dtype=torch.int32)
-    llguidance.torch.fill_next_token_bitmask_par(_executor(), [(m, row) for row, m in enumerate(matchers)], masks)
+    # What llguidance.torch.fill_next_token_bitmask_par does; that module, importing torch.compile's
+    # machinery, would add seconds to every start of the engine.
+    _executor().unsafe_compute_mask_ptr([(m, row) for row, m in enumerate(matchers)], masks.data_ptr(),
+                                        4 * masks.shape[1], len(matchers))
     return masks
 
 
