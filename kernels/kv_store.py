@@ -33,6 +33,8 @@ import triton.language as tl
 QUANT_MAX = {torch.int8: 127.0}
 if hasattr(torch, "float8_e4m3fn"):   # torch builds without float8 have no fp8 cache
     QUANT_MAX[torch.float8_e4m3fn] = 448.0
+# A program stores enough tokens for this many values of K: one token of a large model, several of a small one.
+TOKEN_ELEMENTS = 1024
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,13 +117,13 @@ def _round_to_e4m3(y):
 
 @triton.jit
 def _quantized(x, QMAX: tl.constexpr, INT8: tl.constexpr):
-    """Rows of x [H, D] -> (x / scale clamped and rounded to the format, in fp32; scale [H])."""
+    """Rows of x [T, H, D] -> (x / scale clamped and rounded to the format, in fp32; scale [T, H])."""
     x = x.to(tl.float32)
-    amax = tl.max(tl.abs(x), 1)
+    amax = tl.max(tl.abs(x), 2)
     # Divisions rounded as torch's (a GPU's plain fp32 "/" is approximate, an ulp off at times,
     # which moves y across a rounding boundary now and then).
     qmax = tl.full(amax.shape, QMAX, tl.float32)
-    y = x * tl.div_rn(qmax, tl.where(amax > 0, amax, 1.0))[:, None]   # a zero row stays 0
+    y = x * tl.div_rn(qmax, tl.where(amax > 0, amax, 1.0))[:, :, None]   # a zero row stays 0
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     y = tl.floor(y + 0.5) if INT8 else _round_to_e4m3(y)
     return y, tl.div_rn(amax, qmax)
@@ -129,34 +131,34 @@ def _quantized(x, QMAX: tl.constexpr, INT8: tl.constexpr):
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_cache_ptr, score_cache_ptr, scales_ptr,
-                     slot_ptr, positions_ptr, n_heads, head_dim, block_size,
+                     slot_ptr, positions_ptr, T, n_heads, head_dim, block_size,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_slot_t,
                      stride_kcp, stride_kcs, stride_vcp, stride_vcs, stride_pp, stride_sp, stride_qp, stride_qs,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QMAX: tl.constexpr, INT8: tl.constexpr):
-    """One program per token: all its heads' K and V rows, positions and scores, each head
+                     TOKENS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QMAX: tl.constexpr,
+                     INT8: tl.constexpr):
+    """TOKENS tokens a program: all their heads' K and V rows, positions and scores, each head
     into its own slot; with QMAX > 0 (a quantized cache) the rows quantized and their scales.
     A padding slot (-1) masks its head's stores, so a padding token writes nothing."""
-    t = tl.program_id(0).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    slots = tl.load(slot_ptr + t * stride_slot_t + heads, mask=heads < n_heads, other=-1).to(tl.int64)
-    head_ok = slots >= 0
+    t = (tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS))[:, None]   # [TOKENS, 1]
+    heads = tl.arange(0, BLOCK_H)[None, :]
+    slots = tl.load(slot_ptr + t * stride_slot_t + heads, mask=(t < T) & (heads < n_heads), other=-1).to(tl.int64)
+    head_ok = slots >= 0                                                              # [TOKENS, BLOCK_H]
     pages, offsets = slots // block_size, slots % block_size
-    mask = head_ok[:, None] & (dims < head_dim)[None, :]
-    h, d = heads[:, None], dims[None, :]
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+    t3, h, d = t[:, :, None], heads[:, :, None], tl.arange(0, BLOCK_D)[None, None, :]
+    mask = head_ok[:, :, None] & (d < head_dim)
+    k = tl.load(k_ptr + t3 * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+    v = tl.load(v_ptr + t3 * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
     if QMAX > 0:
         k, k_scale = _quantized(k, QMAX, INT8)
         v, v_scale = _quantized(v, QMAX, INT8)
         scale_at = scales_ptr + pages * stride_qp + offsets * stride_qs
         tl.store(scale_at, k_scale, mask=head_ok)
         tl.store(scale_at + 1, v_scale, mask=head_ok)
-    rows = (pages * stride_kcp + offsets * stride_kcs)[:, None]
+    rows = (pages * stride_kcp + offsets * stride_kcs)[:, :, None]
     tl.store(k_cache_ptr + rows + d, _to_cache(k, k_cache_ptr.dtype.element_ty), mask=mask)
-    rows = (pages * stride_vcp + offsets * stride_vcs)[:, None]
+    rows = (pages * stride_vcp + offsets * stride_vcs)[:, :, None]
     tl.store(v_cache_ptr + rows + d, _to_cache(v, v_cache_ptr.dtype.element_ty), mask=mask)
-    position = tl.load(positions_ptr + t)   # a scalar, broadcast to every head's slot
+    position = tl.load(positions_ptr + t, mask=t < T)   # [TOKENS, 1], broadcast to each head's slot
     tl.store(pos_cache_ptr + pages * stride_pp + offsets, position.to(pos_cache_ptr.dtype.element_ty), mask=head_ok)
     tl.store(score_cache_ptr + pages * stride_sp + offsets, 0.0, mask=head_ok)
 
@@ -185,11 +187,12 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
         raise ValueError(f"a {k_cache.dtype} cache needs kv_scales {(num_pages, block_size, 2)} "
                          f"(the last dimension contiguous), got {kv_scales if kv_scales is None else kv_scales.shape}")
     scales = kv_scales if qmax else k_cache   # a stand-in the kernel never touches unquantized
-    _store_kv_kernel[(T,)](
+    block_h, block_d = triton.next_power_of_2(n_heads), triton.next_power_of_2(head_dim)
+    per_program = max(1, TOKEN_ELEMENTS // (block_h * block_d))
+    _store_kv_kernel[(triton.cdiv(T, per_program),)](
         k, v, kernel_view(k_cache), kernel_view(v_cache), pos_cache, score_cache, scales, slot_mapping, positions,
-        n_heads, head_dim, block_size,
+        T, n_heads, head_dim, block_size,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), slot_mapping.stride(0),
         *k_cache.stride()[:2], *v_cache.stride()[:2], pos_cache.stride(0), score_cache.stride(0),
         *scales.stride()[:2],
-        BLOCK_H=triton.next_power_of_2(n_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        QMAX=qmax, INT8=k_cache.dtype == torch.int8)
+        TOKENS=per_program, BLOCK_H=block_h, BLOCK_D=block_d, QMAX=qmax, INT8=k_cache.dtype == torch.int8)

@@ -3,6 +3,11 @@ import torch
 import triton
 import triton.language as tl
 
+# A program normalises rows of this many values at least: one row of a model's hidden size, or
+# several of a q/k norm's heads, so that no program (nor the interpreter's per-program cost) is
+# spent on a hundred values.
+ROW_ELEMENTS = 1024
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * weight / sqrt(mean(x^2) + eps), computed in float32 (as HF does)."""
@@ -18,13 +23,13 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_inner, N, stride_xa, stride_xb, stride_ra, stride_rb, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row; rows are addressed by two strides (see _rows)."""
-    row = tl.program_id(0).to(tl.int64)
-    a, b = row // n_inner, row % n_inner
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_rows, n_inner, N, stride_xa, stride_xb, stride_ra,
+                     stride_rb, eps, HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """ROWS rows a program; rows are addressed by two strides (see _rows)."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    a, b = (rows // n_inner)[:, None], (rows % n_inner)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (rows[:, None] < n_rows) & (cols < N)
     x = tl.load(x_ptr + a * stride_xa + b * stride_xb + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res_ptrs = res_ptr + a * stride_ra + b * stride_rb + cols
@@ -33,11 +38,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_inner, N, stride_xa, stri
         new_res = x.to(res_ptr.dtype.element_ty)
         tl.store(res_ptrs, new_res, mask=mask)
         x = new_res.to(tl.float32)
-    inv_rms = 1 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    inv_rms = 1 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
     # Like the reference: normalised value rounded to the input dtype, then scaled by the weight.
-    normed = (x * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    normed = (x * inv_rms[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * N + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -56,10 +61,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     res_rows = rows if residual is None else residual.view(rows.shape)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     block = triton.next_power_of_2(N)
-    _rms_norm_kernel[(rows.shape[0] * rows.shape[1],)](
-        rows, res_rows, weight, out, rows.shape[1], N, rows.stride(0), rows.stride(1),
-        res_rows.stride(0), res_rows.stride(1), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
+    per_program = max(1, ROW_ELEMENTS // block)
+    n_rows = rows.shape[0] * rows.shape[1]
+    _rms_norm_kernel[(triton.cdiv(n_rows, per_program),)](
+        rows, res_rows, weight, out, n_rows, rows.shape[1], N, rows.stride(0), rows.stride(1),
+        res_rows.stride(0), res_rows.stride(1), eps, HAS_RESIDUAL=residual is not None, ROWS=per_program,
+        BLOCK=block, num_warps=min(max(per_program * block // 256, 1), 8))
     return out
 
 

@@ -80,32 +80,41 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, co
         x.copy_(rotated)
 
 
+# A program rotates the heads of enough tokens for this many values of q: one token of a large
+# model, several of a small one.
+TOKEN_ELEMENTS = 1024
+
+
 @triton.jit
-def _rotate_heads(ptr, n_heads, stride_h, half, cos, sin, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotate one token's heads [n_heads, 2 * half] in place; cos, sin are [BLOCK_HALF] fp32."""
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < n_heads) & (cols < half)
-    first = ptr + heads * stride_h + cols
+def _rotate_heads(ptr, tokens, stride_t, n_heads, stride_h, half, cos, sin,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate in place the heads [n_heads, 2 * half] of the tokens [TOKENS] (-1: none); cos, sin
+    are [TOKENS, 1, BLOCK_HALF] fp32."""
+    heads = tl.arange(0, BLOCK_H)[None, :, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, None, :]
+    mask = (tokens >= 0)[:, None, None] & (heads < n_heads) & (cols < half)
+    first = ptr + tokens[:, None, None] * stride_t + heads * stride_h + cols
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first, (x1 * cos[None, :] - x2 * sin[None, :]).to(ptr.dtype.element_ty), mask=mask)
-    tl.store(first + half, (x2 * cos[None, :] + x1 * sin[None, :]).to(ptr.dtype.element_ty), mask=mask)
+    tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
+    tl.store(first + half, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, n_q_heads, n_kv_heads, half,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, T, n_q_heads, n_kv_heads, half,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, TOKENS: tl.constexpr,
                  BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """One program per token: its cos/sin row is read once and used for all its q and k heads."""
-    t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    cols = tl.arange(0, BLOCK_HALF)
-    cs_row = cos_sin_ptr + pos * stride_cs + cols
-    cos = tl.load(cs_row, mask=cols < half, other=0.0)
-    sin = tl.load(cs_row + half, mask=cols < half, other=0.0)
-    _rotate_heads(q_ptr + t * stride_qt, n_q_heads, stride_qh, half, cos, sin, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr + t * stride_kt, n_kv_heads, stride_kh, half, cos, sin, BLOCK_HKV, BLOCK_HALF)
+    """TOKENS tokens a program: each one's cos/sin row is read once and used for all its q and k heads."""
+    t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
+    t = tl.where(t < T, t, -1)
+    pos = tl.load(pos_ptr + t, mask=t >= 0, other=0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    cs_row = cos_sin_ptr + pos[:, None] * stride_cs + cols
+    mask = (t >= 0)[:, None] & (cols < half)
+    cos = tl.load(cs_row, mask=mask, other=0.0)[:, None, :]
+    sin = tl.load(cs_row + half, mask=mask, other=0.0)[:, None, :]
+    _rotate_heads(q_ptr, t, stride_qt, n_q_heads, stride_qh, half, cos, sin, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, t, stride_kt, n_kv_heads, stride_kh, half, cos, sin, BLOCK_HKV, BLOCK_HALF)
 
 
 def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
@@ -121,7 +130,9 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         raise ValueError(f"cos_sin must be float32 [max_len, {D}] with contiguous rows")
     if not (q.device == k.device == positions.device == cos_sin.device):
         raise ValueError("q, k, positions and cos_sin must be on one device")
-    _rope_kernel[(T,)](q, k, positions, cos_sin, n_q_heads, k.shape[1], D // 2,
-                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
-                       BLOCK_HQ=triton.next_power_of_2(n_q_heads), BLOCK_HKV=triton.next_power_of_2(k.shape[1]),
-                       BLOCK_HALF=triton.next_power_of_2(D // 2))
+    block_hq, block_hkv, block_half = (triton.next_power_of_2(n) for n in (n_q_heads, k.shape[1], D // 2))
+    per_program = max(1, TOKEN_ELEMENTS // (2 * block_half * block_hq))   # powers of 2, all
+    _rope_kernel[(triton.cdiv(T, per_program),)](
+        q, k, positions, cos_sin, T, n_q_heads, k.shape[1], D // 2,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+        TOKENS=per_program, BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half)
