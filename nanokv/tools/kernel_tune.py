@@ -5,7 +5,8 @@ prefill.py's tiles) is made from.
     python -m nanokv.tools.kernel_tune [--out FILE] [--budget-s SECONDS]
 
 Decode (bf16 cache at batch 1, 16 and 64, contexts 1k and 4k; int8 at batch 16 and 64):
-the split count (the rule's, then powers of two), then key tile x warps x pipeline stages.
+the split count (the rule's, then 1, 2, 3, 4, 6 and powers of two to 64), then key tile x warps
+x pipeline stages.
 Prefill (a 64-token chunk over 1k and 4k, a full 4k prefill): the split count (the rule's, then
 powers of two), then query tile x key tile x warps x stages. Each variant's output is checked against the shipped launch's before it is
 timed (kernel_bench.ms: graph replays); a variant that does not compile (shared memory) is
@@ -86,7 +87,7 @@ def decode_groups():
     for label, b, c, int8, run in cases:
         rule = decode_num_splits(b, HKV, c, torch.device("cuda"))
         reference = run(rule)
-        for splits in dict.fromkeys([rule, 1, 2, 4, 8, 16, 32, 64]):
+        for splits in dict.fromkeys([rule, 1, 2, 3, 4, 6, 8, 16, 32, 64]):
             yield "decode splits", label, f"splits {splits}{' (rule)' if splits == rule else ''}", \
                 (lambda run=run, splits=splits: run(splits)), reference
     for label, b, c, int8, run in cases:
