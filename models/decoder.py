@@ -117,7 +117,9 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int, shard: Shard = Shard()):
         super().__init__()
         self.config, self.shard, self.max_len = cfg, shard, max_len
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # A table as given, not nn.Embedding's random init: on the meta device that init imports
+        # torch.compile's machinery (seconds).
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
