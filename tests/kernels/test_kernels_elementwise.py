@@ -24,7 +24,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
 
 RMS_SHAPES = [(1, 576), (37, 100), (37, 9, 64)]       # the last one per head, as Qwen3's q/k norm
-ROPE_CASES = [(1, 9, 3, 64), (37, 9, 3, 64), (37, 8, 8, 128), (37, 4, 2, 16)]   # (T, Hq, Hkv, D); 16: many a program
+# (T, Hq, Hkv, D); the last, 32 tokens a program
+ROPE_CASES = [(1, 9, 3, 64), (37, 9, 3, 64), (37, 8, 8, 128), (37, 4, 2, 16)]
 SILU_SHAPES = [(1, 2 * 1536), (37, 2 * 100), (2, 3, 2 * 64)]
 KV_CASES = [(37, 16, 3, 64), (1, 32, 8, 128), (37, 256, 3, 64)]  # (T, block_size, Hkv, D)
 

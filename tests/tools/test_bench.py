@@ -258,7 +258,7 @@ def test_host_mode_times_every_phase_per_decode_step(capsys):
 
 def test_offload_mode_swaps_where_the_tier_is_on(capsys):
     records = bench.main(["--mode", "offload", "--random-weights", "tiny", "--num-requests", "4", "--methods", "full",
-                           "--output-len", "300"])
+                          "--output-len", "300"])
     recompute, swap, host, kvpr, *splits = records
     assert [r["shape"] for r in splits] == ["llama-2-7b", "qwen3-0.6b", "llama-3.1-8b"]
     assert all(len(r["splits"]) == len(r["lengths"]) == 5 and r["link_gb_per_s"] > 0 for r in splits)
