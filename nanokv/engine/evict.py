@@ -32,7 +32,7 @@ from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import Sequence
 from nanokv.eviction import HeldPairs, KVMethod
 from nanokv.eviction.holes import hole_moves, lowest
-from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, page_costs, repage
+from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, packed_moves, page_costs, repage
 
 PIECE_BYTES = 256 * 2**20
 PIECE_SHARE = 64   # on a GPU a piece may take 1/64 of its memory, if that is more than PIECE_BYTES
@@ -88,15 +88,16 @@ def piece_bytes(device: torch.device) -> int:
     return max(PIECE_BYTES, torch.cuda.get_device_properties(device).total_memory // PIECE_SHARE)
 
 
-def cut_pieces(num_seqs: int, num_layers: int, layer_bytes: int, bound: int) -> list[tuple[slice, slice]]:
+def cut_pieces(num_seqs: int, num_layers: int, layer_bytes: int, bound: int,
+               seq_bytes: int = 0) -> list[tuple[slice, slice]]:
     """(sequences, layers) of a group, each within bound bytes when one layer of one sequence
-    costs layer_bytes: whole sequences while one fits, else one sequence's layers a few at a
-    time (at least one)."""
-    layers = max(1, min(num_layers, bound // layer_bytes))
+    costs layer_bytes, and its moves seq_bytes whatever its layers: whole sequences while one
+    fits, else one sequence's layers a few at a time (at least one)."""
+    layers = max(1, min(num_layers, (bound - seq_bytes) // layer_bytes))
     if layers < num_layers:
         return [(slice(s, s + 1), slice(first, first + layers))
                 for s in range(num_seqs) for first in range(0, num_layers, layers)]
-    seqs = max(1, bound // (num_layers * layer_bytes))
+    seqs = max(1, bound // (num_layers * layer_bytes + seq_bytes))
     return [(slice(first, first + seqs), slice(None)) for first in range(0, num_seqs, seqs)]
 
 
@@ -143,13 +144,16 @@ class Evictor:
                 if seqs[0].method.windowed:   # its scores restart: the next window counts from zero
                     self.cache.scores.index_fill_(0, piece.flatten().long(), 0.0)
 
-    def _pieces(self, num_seqs: int, method: KVMethod, num_slots: int, num_evicted: int) -> list[tuple[slice, slice]]:
-        """The pieces of a group of sequences each holding num_slots pairs per head and dropping num_evicted."""
+    def _pieces(self, num_seqs: int, method: KVMethod, num_slots: int, num_evicted: int = 0,
+                num_moved: int = 0) -> list[tuple[slice, slice]]:
+        """The pieces of a group of sequences each holding num_slots pairs per head and dropping
+        num_evicted of each (an uneven method's: moving at most num_moved pairs in all its heads)."""
         head_dim, dtype = self.cache.k.shape[-1], self.cache.k.dtype
         group = self.press_window.model.config.num_heads // self.cache.num_kv_heads
-        per_head = (num_slots * ranked_pair_bytes(head_dim, dtype, method, group)
-                    + num_evicted * moved_pair_bytes(head_dim, dtype))
-        return cut_pieces(num_seqs, self.cache.num_layers, self.cache.num_kv_heads * per_head, self.piece_bytes)
+        moved = moved_pair_bytes(head_dim, dtype)
+        per_head = num_slots * ranked_pair_bytes(head_dim, dtype, method, group) + num_evicted * moved
+        return cut_pieces(num_seqs, self.cache.num_layers, self.cache.num_kv_heads * per_head, self.piece_bytes,
+                          num_moved * moved)
 
     def _tables(self, seqs: list[Sequence], num_slots: int) -> torch.Tensor:
         """[S, L, Hkv, nb]: each head's pages holding the sequences' first num_slots slots."""
@@ -213,9 +217,13 @@ class Evictor:
         tables, lens = self._own_pages(seqs, num_slots)
         S, L, H, width = tables.shape
         method, bs, n = seqs[0].method, self.block_size, width * self.block_size
-        pieces = self._pieces(S, method, n, n)   # a head may give up all but its floor
-
         num_kept = [e.num_slots - e.num_evicted for e in evictions]
+        # A sequence's heads hold pages of its blocks only, so the pages chosen over every head of the
+        # model, and the pairs they hold that move, are at most what its blocks hold beyond those kept
+        # (and a page more: the pages kept are the pairs kept rounded down).
+        num_heads = H * self.shard.size // self.shard.num_replicas
+        most_moved = [(len(e.seq.block_table) * bs - k) * L * num_heads + bs for e, k in zip(evictions, num_kept)]
+        pieces = self._pieces(S, method, n, num_moved=min(L * H * n, max(most_moved)))
 
         def ordered(in_piece: slice, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
             held = self._held(seqs[in_piece], tables[in_piece, layers], n, lens[in_piece, layers], layers=layers,
@@ -231,10 +239,12 @@ class Evictor:
         kept_lens = torch.empty_like(lens)
         for in_piece, layers in pieces:
             order = (last if len(pieces) == 1 else ordered(in_piece, layers))[0]   # one piece: ordered once
-            moves, kept_lens[in_piece, layers] = kept_slots(order, lens[in_piece, layers],
-                                                            evicted[in_piece, layers], bs)
-            kernels.move_slots(self.cache.per_slot, tables[in_piece, layers], *moves[:2])   # all, unmasked
-            self.pair_counts[1] += moves[2].sum()
+            (src, dst, valid), kept_lens[in_piece, layers] = kept_slots(order, lens[in_piece, layers],
+                                                                        evicted[in_piece, layers], bs)
+            max_moves = min(src[0].numel(), max(most_moved[in_piece]))
+            moves = packed_moves(src, dst, valid, max_moves)
+            kernels.move_slots(self.cache.per_slot, tables[in_piece, layers].flatten(1), *moves)   # all, unmasked
+            self.pair_counts[1] += valid.sum()
         self.pair_counts[0] += (lens - kept_lens).sum()
         if method.windowed:   # its scores restart (KVC-full's keep accumulating); a column past a head's
             #                   pages zeroes its first page again (a boolean mask would wait for the device)

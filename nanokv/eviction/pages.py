@@ -7,7 +7,8 @@ head costs the largest priority among its e * bs lowest slots (the empty slots o
 filled last page counting as the lowest; +inf never goes): page_costs. The num_pages cheapest
 page evictions over all heads are taken, a head's e-th before its e+1-th as their costs never
 decrease, every head keeping at least floor_pages pages: choose_pages. Each head then keeps its
-other slots, the survivors above its new length moving into the holes below it: kept_slots.
+other slots, the survivors above its new length moving into the holes below it: kept_slots; a
+sequence's moves are packed together, as many as its blocks hold beyond its kept pairs: packed_moves.
 All but choose_pages run on the layers a piece at a time, choose_pages on them all.
 
 Pure tensor functions of sequences' pages: one sequence's, or (but repage) several
@@ -74,6 +75,21 @@ def kept_slots(order: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor,
     # with a hole holds pairs past its new length), so every move can be made, with no mask.
     last = (lens - 1).clamp(min=0)[..., None].expand_as(holes)
     return (torch.where(valid, movers, last), torch.where(valid, holes, last), valid), new_lens
+
+
+def packed_moves(src: torch.Tensor, dst: torch.Tensor, valid: torch.Tensor,
+                 max_moves: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kept_slots' moves of sequences' heads [S, L, H, n], the valid ones of each sequence packed
+    first into [S, max_moves], each a slot of its heads laid end to end (head (l, h)'s slot i at
+    (l * H + h) * n + i, as in its tables [S, L, H, n / bs] flattened to [S, L * H * n / bs]), so
+    that what a sequence moves is bounded by what it evicts, not by what its heads hold. The rest
+    of a row repeats head (0, 0)'s last move, a slot onto itself (a head never has as many valid
+    moves as slots). max_moves must be at least each sequence's valid moves."""
+    S, L, H, n = src.shape
+    first = torch.arange(0, L * H * n, n, device=src.device).view(1, L, H, 1)   # each head's slot 0
+    src, dst, valid = (src + first).flatten(1), (dst + first).flatten(1), valid.flatten(1)
+    at = torch.where(valid, valid.cumsum(-1), 0)   # valid: columns 1, 2, ...; the rest: column 0, dropped
+    return tuple(moves[:, n - 1:n].expand(S, max_moves + 1).scatter(-1, at, moves)[:, 1:] for moves in (src, dst))
 
 
 def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int,

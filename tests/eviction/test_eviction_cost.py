@@ -47,25 +47,31 @@ def test_an_eviction_writes_at_most_what_it_drops_plus_a_block_per_head(llm, met
     ranking, params = method.partition("@")[0], evicting(method)
     cache, evictor = llm.runner.kv_cache, llm.runner.evictor
     L, H, bs = cache.num_layers, cache.num_kv_heads, cache.block_size
-    counts = []
+    counts, addressed = [], []
 
     def counted(evictions):
         before = cache.k.clone()
+        addressed.append(0)
         evict(evictions)
         written = int((cache.k != before).any(-1).sum())   # K [pages, bs, D]: slots changed
         dropped = sum(e.num_evicted for e in evictions) * L * H
         counts.append((written, dropped, len(evictions)))
 
-    evict = evictor.evict
+    def move_slots(buffers, tables, src, dst):   # the slots it writes, a slot onto itself too
+        addressed[-1] += dst.numel()
+        move(buffers, tables, src, dst)
+
+    evict, move = evictor.evict, evict_module.kernels.move_slots
     monkeypatch.setattr(evictor, "evict", counted)
+    monkeypatch.setattr(evict_module.kernels, "move_slots", move_slots)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (300, 180, 250)]
     before = llm.stats()
     llm.generate(prompts, params)
     after = llm.stats()
     assert sum(dropped for _, dropped, _ in counts) > 0, "nothing was evicted"
-    for written, dropped, sequences in counts:
-        assert written <= dropped + sequences * L * H * bs, (written, dropped)
+    for (written, dropped, sequences), writes in zip(counts, addressed):
+        assert max(written, writes) <= dropped + sequences * L * H * bs, (written, writes, dropped)
     # LLM.stats counts them too (kvcompress: whole pages dropped, and repaged pages whole)
     moved, evicted = after.pairs_moved - before.pairs_moved, after.pairs_evicted - before.pairs_evicted
     assert moved >= sum(written for written, _, _ in counts) and evicted >= sum(dropped for _, dropped, _ in counts)
@@ -113,12 +119,13 @@ def test_an_eviction_allocates_no_more_than_its_pieces_are_sized_by(llm, method,
     evictor, cache = llm.runner.evictor, llm.runner.kv_cache
     calls, counted_pieces = [], []
 
-    def pieces(num_seqs, method, num_slots, num_evicted):
+    def pieces(num_seqs, method, num_slots, num_evicted=0, num_moved=0):
         group = llm.runner.model.config.num_heads // cache.num_kv_heads
-        per_head = (num_slots * evict_module.ranked_pair_bytes(cache.k.shape[-1], cache.k.dtype, method, group)
-                    + num_evicted * evict_module.moved_pair_bytes(cache.k.shape[-1], cache.k.dtype))
-        counted_pieces.append(num_seqs * cache.num_layers * cache.num_kv_heads * per_head)
-        return sized(num_seqs, method, num_slots, num_evicted)
+        moved = evict_module.moved_pair_bytes(cache.k.shape[-1], cache.k.dtype)
+        per_head = num_slots * evict_module.ranked_pair_bytes(cache.k.shape[-1], cache.k.dtype, method, group)
+        counted_pieces.append(num_seqs * (cache.num_layers * cache.num_kv_heads * (per_head + num_evicted * moved)
+                                          + num_moved * moved))
+        return sized(num_seqs, method, num_slots, num_evicted, num_moved)
 
     def counted(evictions):
         counted_pieces.clear()
@@ -151,21 +158,27 @@ def test_a_paper_sized_eviction_takes_few_pieces():
 
 def test_kvcompress_on_a_large_gpu_takes_few_pieces(monkeypatch):
     """kvcompress at the workload mode's Qwen3-0.6B shape (bf16, 28 layers, 8 KV heads of 128,
-    group 2): a sequence whose widest head holds 1024 pairs, any of which it may give up, is
-    ~200 MB to rank and move. Within PIECE_BYTES that is a piece a sequence, 16 pieces for 16
-    sequences; an 80 GB GPU's bound takes them in 4, and the pool sizing sets that bound aside."""
+    group 2): a sequence whose widest head holds 1024 pairs is ~90 MB to rank, and what it moves is
+    bounded by what its blocks hold beyond the pairs it keeps (38 blocks of 16, 512 pairs a head
+    kept: ~13 MB), not by what its heads hold (~136 MB). Within PIECE_BYTES that is 8 pieces for 16
+    sequences (16 with every held pair counted as moved); an 80 GB GPU's bound takes them in 2, and
+    the pool sizing sets that bound aside. A piece of a sequence's layers leaves room for its moves."""
     from nanokv.eviction import make_method
     method = make_method("kvcompress", "prefill", 512, 64, 16)
-    per_head = 1024 * (evict_module.ranked_pair_bytes(128, torch.bfloat16, method, 2)
-                       + evict_module.moved_pair_bytes(128, torch.bfloat16))
-    assert len(evict_module.cut_pieces(16, 28, 8 * per_head, evict_module.PIECE_BYTES)) == 16
+    ranked = 1024 * evict_module.ranked_pair_bytes(128, torch.bfloat16, method, 2)
+    moved = evict_module.moved_pair_bytes(128, torch.bfloat16)
+    most_moved = ((38 * 16 - 512) * 28 * 8 + 16) * moved
+    assert len(evict_module.cut_pieces(16, 28, 8 * ranked, evict_module.PIECE_BYTES, most_moved)) == 8
+    assert len(evict_module.cut_pieces(16, 28, 8 * (ranked + 1024 * moved), evict_module.PIECE_BYTES)) == 16
     gpu = torch.device("cuda", 0)
     eighty_gb = SimpleNamespace(total_memory=80 * 2**30)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: eighty_gb)
     bound = evict_module.piece_bytes(gpu)
-    assert len(evict_module.cut_pieces(16, 28, 8 * per_head, bound)) == 4
+    assert len(evict_module.cut_pieces(16, 28, 8 * ranked, bound, most_moved)) == 2
     assert evict_module.reserve_bytes(8, 128, torch.bfloat16, 2048, 2, 0, bound) == bound
     assert evict_module.piece_bytes(torch.device("cpu")) == evict_module.PIECE_BYTES
+    assert evict_module.cut_pieces(2, 10, 100, 500, 200) == [(slice(s, s + 1), slice(first, first + 3))
+                                                             for s in range(2) for first in range(0, 10, 3)]
 
 
 @pytest.mark.parametrize("method", ["batchmax", "h2o@prefill", "streamingllm", "knorm@decode", "snapkv@prefill",

@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, page_costs, repage
+from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, packed_moves, page_costs, repage
 from oracle import BLOCK, differences, distinct_prompt as prompt, engine
 
 # ----- the block-eviction schedule on its own ---------------------------------------------
@@ -76,6 +76,19 @@ def test_page_eviction_takes_the_cheapest_pages_across_heads(seed):
         changed = [b for b, (value,) in writes.items() if value != b]
         assert len(changed) == int(valid[l, h].sum()) <= lens[l, h] - len(slots)   # one write per pair evicted
         assert new_lens[l, h] % bs == 0 or evicted[l, h] == 0   # a head that gave pages keeps whole ones
+    # Packed: the heads' slots end to end, the valid moves first in as many columns as there are
+    # (and in two more: head (0, 0)'s last move, a slot onto itself); made at once, they keep the same pairs.
+    n, num_moves = width * bs, int(valid.sum())
+    for columns in (num_moves, num_moves + 2):
+        packed = packed_moves(src[None], dst[None], valid[None], columns)
+        assert all(p.shape == (1, columns) for p in packed)
+        heads = list(range(L * H * n))
+        read = [heads[a] for a in packed[0][0].tolist()]
+        for b, value in zip(packed[1][0].tolist(), read):
+            heads[b] = value
+        for (l, h), slots in expected_kept.items():
+            first = (l * H + h) * n
+            assert sorted(v - first for v in heads[first:first + len(slots)]) == slots
 
 
 @pytest.mark.parametrize("tight", [False, True])
