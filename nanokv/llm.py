@@ -204,7 +204,7 @@ class LLM:
                            host.bytes_per_block(self.runner.kv_cache), *sched.host_copies, sched.host_hits,
                            sum(len(seq.offloaded) for seq in sched.running), sched.num_offloaded,
                            self.runner.blocks_streamed, self.runner.positions_recomputed,
-                           *self.runner.evictor.pair_counts.tolist())
+                           *self.runner.evictor.pair_counts.tolist(), self.runner.evictor.num_pieces)
 
     @contextlib.contextmanager
     def timing(self, synchronize: bool = True) -> Iterator[Timings]:

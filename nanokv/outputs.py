@@ -68,4 +68,5 @@ class EngineStats:
     blocks_streamed: int = 0     # blocks copied back for a step's layers (each step counts its own),
     positions_recomputed: int = 0  # positions whose K/V a step recomputed instead
     pairs_evicted: int = 0   # since the engine started: KV pairs eviction dropped, per KV head summed
-    pairs_moved: int = 0     # and pairs it wrote to keep each head's dense (rank 0's heads when split)
+    pairs_moved: int = 0     # and pairs it wrote to keep each head's dense (rank 0's heads when split),
+    eviction_pieces: int = 0   # and the pieces it took them in (nanokv/engine/evict.py), each the same launches

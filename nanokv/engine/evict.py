@@ -117,6 +117,7 @@ class Evictor:
         # Since the engine started, over this rank's heads: the pairs evictions dropped and those
         # they wrote (moved into holes, whole pages repaged), counted on the device: no sync.
         self.pair_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.num_pieces = 0   # and the pieces they were taken in, each the same launches
 
     def evict(self, evictions: list[Eviction]) -> None:
         """Drop each eviction's pairs from every (layer, KV head) of its sequence, the survivors
@@ -152,8 +153,10 @@ class Evictor:
         group = self.press_window.model.config.num_heads // self.cache.num_kv_heads
         moved = moved_pair_bytes(head_dim, dtype)
         per_head = num_slots * ranked_pair_bytes(head_dim, dtype, method, group) + num_evicted * moved
-        return cut_pieces(num_seqs, self.cache.num_layers, self.cache.num_kv_heads * per_head, self.piece_bytes,
-                          num_moved * moved)
+        pieces = cut_pieces(num_seqs, self.cache.num_layers, self.cache.num_kv_heads * per_head, self.piece_bytes,
+                            num_moved * moved)
+        self.num_pieces += len(pieces)
+        return pieces
 
     def _tables(self, seqs: list[Sequence], num_slots: int) -> torch.Tensor:
         """[S, L, Hkv, nb]: each head's pages holding the sequences' first num_slots slots."""

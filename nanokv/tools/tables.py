@@ -8,7 +8,8 @@ def method_label(name: str, budget: int | None) -> str:
 
 # (header, record key, format) of each table's columns
 TIMES = [("decode ms/step", "decode_ms_per_step", ".1f"), ("prefill s", "prefill_s", ".2f"),
-         ("evict s", "evict_s", ".2f"), ("moved / evicted", "moved_per_evicted", ".2f"),
+         ("evict s", "evict_s", ".2f"), ("evict pieces", "evict_pieces", ""),
+         ("moved / evicted", "moved_per_evicted", ".2f"),
          ("host ms/step", "host_ms_per_step", ".2f")]
 SPEED = [("tokens/s", "tokens_per_s", ".1f"), ("x full", "x_full", ".2f")]
 STATIC_COLUMNS = [("method", "label", ""), ("batch", "largest", ""), ("OOM at", "oom_at", ""), *SPEED,

@@ -132,6 +132,7 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
         mean_decode_batch=decode_batch / steps if steps else None,
         mean_decode_context=decode_context / decode_batch if decode_batch else None,
         preemptions=stats.preemptions - before.preemptions, max_running=max_running,
+        evict_pieces=stats.eviction_pieces - before.eviction_pieces,
         moved_per_evicted=(stats.pairs_moved - before.pairs_moved) / (stats.pairs_evicted - before.pairs_evicted)
         if stats.pairs_evicted > before.pairs_evicted else None)
 

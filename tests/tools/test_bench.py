@@ -14,7 +14,7 @@ from nanokv.tools import throughput
 
 RECORD_FIELDS = {"device", "model", "dtype", "mode", "method", "budget", "batch", "input_len", "output_len",
                  "tokens_per_s", "peak_kv_gb", "kv_pool_gb", "decode_ms_per_step", "prefill_s", "evict_s",
-                 "fits", "preemptions", "date", "commit", "cuda_max_allocated_gb"}
+                 "evict_pieces", "fits", "preemptions", "date", "commit", "cuda_max_allocated_gb"}
 
 
 def search(threshold: int, max_batch: int, start: int = 1) -> tuple[int, list[int]]:
@@ -164,9 +164,11 @@ def test_paper_mode_end_to_end(tiny_dir, tmp_path, capsys, monkeypatch):
     assert all(r["fits"] and r["batch"] == 6 and r["output_tokens"] == 6 * 4 for r in continuous)
     assert synchronized == [r["mode"] == "static" for r in records]
     assert all(r["wait_ms_per_step"] >= 0 for r in continuous)
+    assert all(r["evict_pieces"] == 0 for r in records if r["method"] == "full")
+    assert all(r["evict_pieces"] > 0 for r in records if r["method"] == "batchmax" and r["fits"])
     table = capsys.readouterr().out
     assert "static batches" in table and "continuous batching" in table and "batchmax |kv|=32" in table
-    assert "wait ms/step" in table
+    assert "wait ms/step" in table and "evict pieces" in table
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
