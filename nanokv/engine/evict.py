@@ -32,7 +32,7 @@ from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import Sequence
 from nanokv.eviction import HeldPairs, KVMethod
 from nanokv.eviction.holes import hole_moves, lowest
-from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, packed_moves, page_costs, repage
+from nanokv.eviction.pages import choose_pages, eviction_order, held_pages, kept_slots, packed_moves, page_costs, repage
 
 PIECE_BYTES = 256 * 2**20
 PIECE_SHARE = 64   # on a GPU a piece may take 1/64 of its memory, if that is more than PIECE_BYTES
@@ -117,6 +117,7 @@ class Evictor:
         # Since the engine started, over this rank's heads: the pairs evictions dropped and those
         # they wrote (moved into holes, whole pages repaged), counted on the device: no sync.
         self.pair_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.evicted_pairs, self.moved_pairs = self.pair_counts   # views: each count one launch, in place
         self.num_pieces = 0   # and the pieces they were taken in, each the same launches
 
     def evict(self, evictions: list[Eviction]) -> None:
@@ -140,8 +141,8 @@ class Evictor:
                 evicted = self._evicted(seqs[in_piece], piece, num_slots, num_evicted, layers)
                 src, dst, valid = hole_moves(evicted, num_slots)
                 kernels.move_slots(self.cache.per_slot, piece, src, dst)   # the rest move a slot onto itself
-                self.pair_counts[0] += evicted.numel()
-                self.pair_counts[1] += valid.sum()
+                self.evicted_pairs += evicted.numel()
+                self.moved_pairs += valid.sum()
                 if seqs[0].method.windowed:   # its scores restart: the next window counts from zero
                     self.cache.scores.index_fill_(0, piece.flatten().long(), 0.0)
 
@@ -232,7 +233,7 @@ class Evictor:
             held = self._held(seqs[in_piece], tables[in_piece, layers], n, lens[in_piece, layers], layers=layers,
                               num_kept=num_kept[in_piece])
             return eviction_order(method.keep_priority(held), held.positions, lens[in_piece, layers], bs)
-        held_pages = -(-lens // bs)
+        pages_held = held_pages(lens, bs)
         costs = torch.empty(S, L, H, width, device=self.device)
         for in_piece, layers in pieces:
             last = ordered(in_piece, layers)
@@ -247,13 +248,13 @@ class Evictor:
             max_moves = min(src[0].numel(), max(most_moved[in_piece]))
             moves = packed_moves(src, dst, valid, max_moves)
             kernels.move_slots(self.cache.per_slot, tables[in_piece, layers].flatten(1), *moves)   # all, unmasked
-            self.pair_counts[1] += valid.sum()
-        self.pair_counts[0] += (lens - kept_lens).sum()
+            self.moved_pairs += valid.sum()
+        self.evicted_pairs += (lens - kept_lens).sum()
         if method.windowed:   # its scores restart (KVC-full's keep accumulating); a column past a head's
             #                   pages zeroes its first page again (a boolean mask would wait for the device)
-            held = torch.arange(width, device=self.device) < held_pages[..., None]
+            held = torch.arange(width, device=self.device) < pages_held[..., None]
             self.cache.scores.index_fill_(0, torch.where(held, tables, tables[..., :1]).flatten().long(), 0.0)
-        kept_pages, kept_lens = held_pages - evicted, kept_lens.int()
+        kept_pages, kept_lens = pages_held - evicted, kept_lens.int()
         blocks_kept = [e.num_blocks_kept for e in evictions]
         staying = self._tables(seqs, max(blocks_kept) * bs)   # [S, L, H, nb]: the pages of the blocks each keeps
         column = torch.arange(staying.shape[-1], device=self.device)
@@ -272,7 +273,7 @@ class Evictor:
                                                    kernels.from_host(room[part], self.device), width)
             for buffer in self.cache.per_slot:
                 buffer[dst] = buffer[src]
-            self.pair_counts[1] += (src != dst).sum() * bs
+            self.moved_pairs += (src != dst).sum() * bs
             for seq in seqs[part]:
                 seq.own_pages.slots = seq.num_kv_slots
             self.head_tables.write([seq.own_pages for seq in seqs[part]], part_tables, kept_lens[part], widths)
@@ -292,7 +293,7 @@ class Evictor:
         every = shard.all_heads(mine.double() if shard.size > 1 else mine)   # lens stay exact in float64
         all_lens = every[..., -1].long()
         S, L, num_heads = all_lens.shape
-        held = -(-all_lens // bs)
+        held = held_pages(all_lens, bs)
         target = kept_slots * L * num_heads // bs
         evicted = choose_pages(every[..., :-1], (held.flatten(1).sum(1) - target).clamp(min=0))
         if shard.size > 1:

@@ -67,9 +67,8 @@ class KVMethod:
     def keep_priority(self, held: HeldPairs) -> torch.Tensor:
         """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf: the
         sinks (the first positions) and the `recent` most recent, the positions after
-        current - recent (every one of them is held: none was ever evicted)."""
+        current - recent (every one of them is held: none was ever evicted). The slots past a
+        head's own pairs (held.lens) hold none: whatever they get here, eviction_order puts them first."""
         priority = self.ranking.keep_priority(held)   # not cast: float64 key norms keep their precision
         protected = (held.positions < self.sinks) | (held.positions > held.current - self.recent)
-        if held.lens is not None:   # a head's slots past its own pairs hold none
-            protected &= torch.arange(priority.shape[-1], device=priority.device) < held.lens[..., None]
         return priority.masked_fill(protected, float("inf"))

@@ -20,15 +20,20 @@ from __future__ import annotations
 import torch
 
 
+def held_pages(lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The pages that hold lens pairs."""
+    return (lens + (block_size - 1)) // block_size
+
+
 def eviction_order(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each head's slots in eviction order (empty slots first, other heads' never; ties by
     position) and their priorities in that order."""
     slot = torch.arange(priority.shape[-1], device=priority.device)
-    held_pages = -(-lens // block_size)
-    priority = (priority.masked_fill(slot >= lens[..., None], float("-inf"))          # empty: first
-                .masked_fill(slot >= (held_pages * block_size)[..., None], float("inf")))   # not its page
-    by_position = positions.masked_fill(slot >= lens[..., None], -1).argsort(dim=-1, stable=True)
+    empty = slot >= lens[..., None]
+    beyond = slot >= (held_pages(lens, block_size) * block_size)[..., None]   # in pages it does not hold
+    priority = priority.masked_fill(empty, float("-inf")).masked_fill(beyond, float("inf"))
+    by_position = positions.masked_fill(empty, -1).argsort(dim=-1, stable=True)
     order = by_position.gather(-1, priority.gather(-1, by_position).argsort(dim=-1, stable=True))
     return order, priority.gather(-1, order)
 
@@ -38,8 +43,7 @@ def page_costs(ordered: torch.Tensor, lens: torch.Tensor, block_size: int, floor
     from its priorities in eviction order."""
     costs = ordered[..., block_size - 1::block_size]
     count = torch.arange(1, costs.shape[-1] + 1, device=ordered.device)
-    held_pages = -(-lens // block_size)
-    return costs.masked_fill(count > (held_pages - floor_pages)[..., None], float("inf"))
+    return costs.masked_fill(count > (held_pages(lens, block_size) - floor_pages)[..., None], float("inf"))
 
 
 def choose_pages(costs: torch.Tensor, num_pages: torch.Tensor | int) -> torch.Tensor:
@@ -65,16 +69,18 @@ def kept_slots(order: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor,
     n = order.shape[-1]
     slot = torch.arange(n, device=order.device)
     rank = torch.empty_like(order).scatter_(-1, order, slot.expand_as(order))
-    leaving = (rank < (evicted * block_size)[..., None]) & (slot < lens[..., None])
+    held = slot < lens[..., None]
+    leaving = (rank < (evicted * block_size)[..., None]) & held
     new_lens = lens - leaving.sum(dim=-1)
     below = slot < new_lens[..., None]
-    holes = torch.where(leaving & below, slot, n + slot).sort(dim=-1).values
-    movers = torch.where(~leaving & ~below & (slot < lens[..., None]), slot, n + slot).sort(dim=-1).values
+    last = n + slot   # where a slot that is no hole (no mover) sorts: after them all
+    holes = torch.where(leaving & below, slot, last).sort(dim=-1).values
+    movers = torch.where(held & ~(leaving | below), slot, last).sort(dim=-1).values
     valid = holes < n
     # The rest move the head's last held slot onto itself: no valid move writes there (a head
     # with a hole holds pairs past its new length), so every move can be made, with no mask.
-    last = (lens - 1).clamp(min=0)[..., None].expand_as(holes)
-    return (torch.where(valid, movers, last), torch.where(valid, holes, last), valid), new_lens
+    idle = (lens - 1).clamp(min=0)[..., None].expand_as(holes)
+    return (torch.where(valid, movers, idle), torch.where(valid, holes, idle), valid), new_lens
 
 
 def packed_moves(src: torch.Tensor, dst: torch.Tensor, valid: torch.Tensor,
@@ -95,54 +101,49 @@ def packed_moves(src: torch.Tensor, dst: torch.Tensor, valid: torch.Tensor,
 def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int,
            share_cap: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """For S sequences evicted together, whose pages are all distinct: head (s, l, h) now uses
-    only the first kept[s, l, h] pages of its table [S, L, H, W]. Its pages in blocks sequence
-    s gives back move to unused pages among staying[s] (the pages of the blocks it keeps, -1
-    where a sequence keeps fewer than another), the r-th of a sequence's leaving pages in
-    (l, h, column) order to its r-th unused one; then every head gets an equal share of its
-    sequence's still unused ones, in order, at most share_cap[s], for the tokens it reads until
-    the next eviction. Every shape is known without reading the device's values (width bounds
-    every head's kept pages and share); the pages a sequence uses and keeps are told apart by
-    marks over all num_pages pages (torch.isin would wait for the device).
+    only the first kept[s, l, h] pages of its table [S, L, H, W] (head (s, 0, 0) at least one:
+    every head keeps floor_pages). Its pages in blocks sequence s gives back move to unused pages
+    among staying[s] (the pages of the blocks it keeps, -1 where a sequence keeps fewer than
+    another), the r-th of a sequence's leaving pages in (l, h, column) order to its r-th unused
+    one; then every head gets an equal share of its sequence's unused ones after those, in order,
+    at most share_cap[s], for the tokens it reads until the next eviction. Every shape is known
+    without reading the device's values (width bounds every head's kept pages and share); the
+    pages a sequence uses and keeps are told apart by marks over all num_pages pages (torch.isin
+    would wait for the device).
 
     Returns the new tables [S, L, H, width] (columns past a head's pages: page 0), the moves
     [S, max_moves] (page src's content goes to dst) and each sequence's widest head's pages
-    [S]. max_moves bounds a sequence's leaving pages; the moves past a sequence's own copy a
-    page onto itself.
+    [S]. max_moves bounds a sequence's leaving pages; the moves past a sequence's own copy head
+    (s, 0, 0)'s first page onto itself (no move writes it: it is neither unused nor kept where it
+    was and moved).
     """
     S, L, H, W = tables.shape
     device = tables.device
 
-    def marked(pages: torch.Tensor) -> torch.Tensor:   # [num_pages + 1]: True at pages (num_pages: none)
-        return torch.zeros(num_pages + 1, dtype=torch.bool, device=device).index_fill_(0, pages.flatten().long(), True)
+    def marks(pages: torch.Tensor) -> torch.Tensor:   # [num_pages + 1]: True at pages and at num_pages (none)
+        marked = torch.zeros(num_pages + 1, dtype=torch.bool, device=device).index_fill_(0, pages.flatten(), True)
+        marked[num_pages] = True
+        return marked
     in_use = torch.arange(W, device=device) < kept[..., None]
-    used = torch.where(in_use, tables, num_pages).flatten(1)       # [S, N]
-    stay = torch.where(staying >= 0, staying, num_pages)           # pages are distinct: any sequence's stay will do
-    leaving = ~marked(stay)[used.long()] & (used < num_pages)
-    unused = ~marked(used)[stay.long()] & (staying >= 0)           # [S, P]
-    num_leaving = leaving.sum(-1)                                  # [S]
-    rank = leaving.cumsum(-1) - 1                                  # among a sequence's leaving pages
+    used = torch.where(in_use, tables, num_pages).flatten(1).long()   # [S, N]
+    stay = torch.where(staying >= 0, staying, num_pages).long()      # pages are distinct: any sequence's stay will do
+    leaving = ~marks(stay)[used]                                     # a column not in use is none leaving,
+    unused = ~marks(used)[stay]                                      # [S, P]: nor a -1 of staying one unused
+    num_leaving = leaving.sum(-1)                                    # [S]
+    rank = leaving.cumsum(-1) - 1                                    # among a sequence's leaving pages
     unused_first = staying.gather(-1, (~unused).int().argsort(dim=-1, stable=True))
     moved_to = unused_first.gather(-1, rank.clamp(min=0))
-    tables = torch.where(leaving, moved_to, used).view(S, L, H, W).where(in_use, tables)
     moves = max(max_moves, 1)
-    at = torch.where(leaving, rank, moves)                         # the rest to a column dropped below
-    empty = torch.full((S, moves + 1), -1, dtype=used.dtype, device=device)
-    src = empty.scatter(-1, at, used)[:, :moves]
-    dst = empty.scatter(-1, at, moved_to.to(used.dtype))[:, :moves]
-    # The rest copy the first leaving page (never written: it is in a block given back) onto
-    # itself, or where none leaves, the first head's first page.
-    idle = torch.where(num_leaving > 0, src[:, 0], tables[:, 0, 0, 0])[:, None]
-    src, dst = torch.where(src >= 0, src, idle), torch.where(dst >= 0, dst, idle)
-    rank = unused.cumsum(-1) - 1                                   # among a sequence's unused pages
-    spare = unused & (rank >= num_leaving[:, None])
-    share = torch.minimum(spare.sum(-1) // (L * H), share_cap)    # [S]
-    spare = staying.gather(-1, (~spare).int().argsort(dim=-1, stable=True))   # each sequence's spare pages first
+    at = torch.where(leaving, rank, moves)                           # the rest to a column dropped below
+    idle = used[:, :1].expand(S, moves + 1)
+    src, dst = (idle.scatter(-1, at, pages)[:, :moves] for pages in (used, moved_to.long()))
+    tables = torch.where(leaving, moved_to, used).view(S, L, H, W).where(in_use, tables).to(tables.dtype)
+    share = torch.minimum((unused.sum(-1) - num_leaving) // (L * H), share_cap)[:, None, None, None]
     column = torch.arange(width, device=device)
     old = tables.gather(-1, column.clamp(max=W - 1).expand(S, L, H, width))
-    extra = column - kept[..., None]                               # index of the spare page a column takes
-    share = share[:, None, None, None]
+    extra = column - kept[..., None]                                 # index of the spare page a column takes
     head = torch.arange(L * H, device=device).view(1, L, H, 1)
-    new = spare.gather(-1, (extra.clamp(min=0) * L * H + head).clamp(max=staying.shape[-1] - 1).flatten(1))
-    new = torch.where(extra < share, new.view(S, L, H, width), 0)
+    spare = (num_leaving[:, None, None, None] + extra.clamp(min=0) * L * H + head).clamp(max=staying.shape[-1] - 1)
+    new = unused_first.gather(-1, spare.flatten(1)).view(S, L, H, width)
     widths = kept.flatten(1).amax(1) + share[:, 0, 0, 0]
-    return torch.where(extra < 0, old, new).to(tables.dtype), src.long(), dst.long(), widths
+    return torch.where(extra < 0, old, torch.where(extra < share, new, 0)), src, dst, widths

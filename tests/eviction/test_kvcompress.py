@@ -128,6 +128,19 @@ def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out(tight):
         assert len(set(everything)) == len(everything) and set(everything) <= set(staying[s].tolist())
 
 
+def test_a_sequence_keeping_fewer_blocks_than_another_is_never_handed_their_padding():
+    """staying's -1 entries (a sequence keeping fewer blocks than another) are no pages: not
+    unused ones to share out, also when every column of every head is in use (no column
+    names 'none' among the pages used)."""
+    tables = torch.arange(8, dtype=torch.int32).view(2, 1, 2, 2)   # each head uses both its pages
+    kept = torch.full((2, 1, 2), 2)
+    staying = torch.tensor([[0, 1, 2, 3, 8, 9], [4, 5, 6, 7, -1, -1]], dtype=torch.int32)
+    new, src, dst, widths = repage(tables, kept, staying, 1, 10, torch.tensor([4, 4]), 3)
+    assert new[0, 0].tolist() == [[0, 1, 8], [2, 3, 9]]   # one spare page a head
+    assert new[1, 0].tolist() == [[4, 5, 0], [6, 7, 0]] and widths.tolist() == [3, 2]   # none: no share
+    assert (src == dst).all()   # nothing leaves
+
+
 def test_a_width_that_lands_late_keeps_what_evictions_added_since(monkeypatch):
     """A sequence's width (the columns its rows are read to) is the bound each eviction writes
     until the exact one (its widest head's pages) reaches the host; one that lands after later
