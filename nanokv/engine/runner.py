@@ -299,6 +299,8 @@ class ModelRunner:
             own_tables, own_lens = self.head_tables.read([seqs[b].own_pages for b in own], lens[own].tolist())
             width = max(width, own_tables.shape[-1])
             bound = max(bound, own_tables.shape[-1] * self.block_size)
+            if len(own) == len(seqs):   # every head has pages of its own: they are the step's tables
+                return own_tables.transpose(0, 1), own_lens.transpose(0, 1), bound
         rows = np.fromiter((seq.block_table.row for seq in seqs), dtype=np.intp, count=len(seqs))
         blocks = seqs[0].block_table.tables.ids[rows, :width]
         if blocks.shape[1] < width:   # a head of its own holds more pages than a block table can
