@@ -114,8 +114,7 @@ def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_
     Returns the new tables [S, L, H, width] (columns past a head's pages: page 0), the moves
     [S, max_moves] (page src's content goes to dst) and each sequence's widest head's pages
     [S]. max_moves bounds a sequence's leaving pages; the moves past a sequence's own copy head
-    (s, 0, 0)'s first page onto itself (no move writes it: it is neither unused nor kept where it
-    was and moved).
+    (s, 0, 0)'s first page onto itself (a page in use: moves write only unused ones).
     """
     S, L, H, W = tables.shape
     device = tables.device
@@ -127,8 +126,8 @@ def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_
     in_use = torch.arange(W, device=device) < kept[..., None]
     used = torch.where(in_use, tables, num_pages).flatten(1).long()   # [S, N]
     stay = torch.where(staying >= 0, staying, num_pages).long()      # pages are distinct: any sequence's stay will do
-    leaving = ~marks(stay)[used]                                     # a column not in use is none leaving,
-    unused = ~marks(used)[stay]                                      # [S, P]: nor a -1 of staying one unused
+    leaving = ~marks(stay)[used]      # used pages outside the blocks kept (a column not in use: num_pages)
+    unused = ~marks(used)[stay]       # [S, P]: pages of the blocks kept that no head uses (padding: num_pages)
     num_leaving = leaving.sum(-1)                                    # [S]
     rank = leaving.cumsum(-1) - 1                                    # among a sequence's leaving pages
     unused_first = staying.gather(-1, (~unused).int().argsort(dim=-1, stable=True))
