@@ -125,8 +125,7 @@ class ModelRunner:
             raise ValueError(f"decode_from_host stages in {staging} of the {self.kv_cache.num_blocks} KV blocks, "
                              f"leaving too few for max_model_len={config.max_model_len}: give the pool more")
         pages = self.kv_cache.pages(torch.arange(self.num_pool_blocks, self.kv_cache.num_blocks, device=self.device))
-        half = model.num_layers * staging // 2
-        heads = model.num_kv_heads
+        half, heads = model.num_layers * staging // 2, model.num_kv_heads
         self.staging_pages = pages.transpose(1, 2).reshape(-1, heads)[:2 * half].view(2, half, heads)
         self.copy_stream = torch.cuda.Stream(self.device) if staging and self.device.type == "cuda" else None
         self.blocks_streamed = self.positions_recomputed = 0
@@ -297,8 +296,7 @@ class ModelRunner:
         own = [b for b, seq in enumerate(seqs) if seq.own_pages is not None]
         if own:
             own_tables, own_lens = self.head_tables.read([seqs[b].own_pages for b in own], lens[own].tolist())
-            width = max(width, own_tables.shape[-1])
-            bound = max(bound, own_tables.shape[-1] * self.block_size)
+            width, bound = max(width, own_tables.shape[-1]), max(bound, own_tables.shape[-1] * self.block_size)
             if len(own) == len(seqs):   # every head has pages of its own: they are the step's tables
                 return own_tables.transpose(0, 1), own_lens.transpose(0, 1), bound
         rows = np.fromiter((seq.block_table.row for seq in seqs), dtype=np.intp, count=len(seqs))
