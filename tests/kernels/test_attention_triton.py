@@ -397,6 +397,28 @@ def test_mixed_step_sends_decodes_to_flash_decoding(monkeypatch):
     assert_close(results["triton"][1], expected, SCORE_TOL[torch.float32], "scores")
 
 
+def test_one_layer_of_rows_per_sequence_is_read_through_its_strides():
+    """Where every sequence of a step has pages of its own, the runner hands the kernels each
+    layer's tables and lengths as views of rows [B, L, Hkv, ...] (ModelRunner._step_pages):
+    flash-decoding and the prefill kernel give what they give on contiguous copies."""
+    block_size, Hkv, G, D, L = 16, 2, 3, 64, 3
+    chunks = [(20, 1), (47, 1), (block_size + 3, 45)]
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv, G, D, torch.float32, KERNEL_DEVICE)
+    num_pages = len(chunks) * Hkv * 6
+    k_cache, v_cache = make_cache(num_pages, block_size, D, torch.float32, KERNEL_DEVICE)
+    tables = scattered_tables(context_lens, block_size, num_pages, 6)
+    rows = torch.zeros(len(chunks), L, *tables.shape[1:], dtype=tables.dtype, device=KERNEL_DEVICE)
+    lens = torch.zeros(len(chunks), L, Hkv, dtype=context_lens.dtype, device=KERNEL_DEVICE)
+    rows[:, 1], lens[:, 1] = tables, context_lens
+    strided = rows.transpose(0, 1)[1], lens.transpose(0, 1)[1]
+    assert not strided[0].is_contiguous() and not strided[1].is_contiguous()
+    results = [on_both_backends(lambda scores: kernels.paged_attention(
+        q, k_cache, v_cache, layer_tables, cu_seqlens_q, layer_lens, 0.125, max_query_len=45, max_context_len=64,
+        num_decodes=2, score_cache=scores), k_cache.shape[:2])["triton"]
+        for layer_tables, layer_lens in (strided, (tables, context_lens))]
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_a_step_of_short_chunks_over_long_contexts_splits_them(monkeypatch):
     """kernels.paged_attention on a GPU's aim of programs (few query tiles): the chunks' contexts
     are split, and out and the key scores (from the merged log-sum-exps) match the references."""
