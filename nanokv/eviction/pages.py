@@ -121,7 +121,7 @@ def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_
 
     def marks(pages: torch.Tensor) -> torch.Tensor:   # [num_pages + 1]: True at pages and at num_pages (none)
         marked = torch.zeros(num_pages + 1, dtype=torch.bool, device=device).index_fill_(0, pages.flatten(), True)
-        marked[num_pages] = True
+        marked[num_pages:].fill_(True)   # fill_ takes the scalar as an argument; an assignment copies it from the host
         return marked
     in_use = torch.arange(W, device=device) < kept[..., None]
     used = torch.where(in_use, tables, num_pages).flatten(1).long()   # [S, N]

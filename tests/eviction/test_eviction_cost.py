@@ -4,6 +4,7 @@ counted as the K slots whose contents it changes; it allocates no more than its 
 sized by; and a step's eviction runs the same torch ops whatever the batch and the layers,
 none of which waits for the device."""
 import traceback
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -79,13 +80,15 @@ def test_an_eviction_writes_at_most_what_it_drops_plus_a_block_per_head(llm, met
         assert (moved, evicted) == tuple(map(sum, zip(*counts)))[:2]
 
 
-# Ops whose result the host must wait for: a value read back, or a shape that depends on data.
+# Ops whose result the host must wait for: a value read back, a shape that depends on data, or
+# a value of the host's assigned into a tensor (on a GPU, a copy from pageable memory).
 MASKED = " (a boolean mask)"
+FROM_HOST = " (a host value)"
 WAITS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.masked_select", "aten.unique")
 
 
 def waits(ops: list[str]) -> list[str]:
-    return [op for op in ops if op.startswith(WAITS) or op.endswith(MASKED)]
+    return [op for op in ops if op.startswith(WAITS) or op.endswith((MASKED, FROM_HOST))]
 
 
 class CountOps(TorchDispatchMode):
@@ -96,17 +99,21 @@ class CountOps(TorchDispatchMode):
         self.ops: list[str] = []
         self.launches: list[str] = []
         self.allocated = 0
+        self.host_values = weakref.WeakSet()   # tensors made of Python values (`t[i] = True` makes one)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         masked = func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put_.default) and \
             any(i is not None and i.dtype == torch.bool for i in args[1])
-        self.ops.append(f"{func}{MASKED if masked else ''}")
+        from_host = func is torch.ops.aten.copy_.default and args[1] in self.host_values
+        self.ops.append(f"{func}{MASKED if masked else FROM_HOST if from_host else ''}")
         if not all(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
             self.launches.append(self.ops[-1])
         out = func(*args, **(kwargs or {}))
         for result, returned in zip(out if isinstance(out, (tuple, list)) else (out,), func._schema.returns):
             if isinstance(result, torch.Tensor) and returned.alias_info is None:   # not a view
                 self.allocated += result.numel() * result.element_size()
+        if func is torch.ops.aten.lift_fresh.default:
+            self.host_values.add(out)
         return out
 
 
