@@ -145,90 +145,112 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
 
 # ----- flash-decoding's launch and scratch -------------------------------------------------
 
-# Decode: enough (sequence, KV head, split) programs to fill the GPU several times over.
-# A program of the 16-bit decode kernel at head_dim 128 takes ~72 KB of shared memory for
-# its double-buffered K/V tiles (kernels/compile_check.py): 3 are resident on an H100 SM
-# (228 KB), 2 on an A100's (164 KB). With DECODE_WAVES waves of them, the last, partly
-# empty wave costs at most a quarter of the time.
-DECODE_WAVES = 4
+# A launch is split so that its programs fill their last wave on the GPU (a wave: the programs
+# its SMs hold at once). On an H200 the split counts that ran fastest in every decode and
+# prefill case timed were those that filled the last wave to 90% or more, the fewest of them:
+# a last wave a quarter full cost up to 13% more (docs/PERF.md, the sixth run).
+DECODE_WAVES = 4    # a decode launch is split into at most this many waves
+FULL_WAVE = 0.9
+CPU_WAVE = 4        # the interpreter's "wave" on a CPU: a few programs, so tests see several splits
 
 
-def decode_programs_per_sm(capability_major: int) -> int:
-    return 3 if capability_major >= 9 else 2
+def decode_programs_per_sm(capability_major: int, quantized: bool = False) -> int:
+    """Flash-decoding programs at head_dim 128 that one SM holds at once (kernels/compile_check.py).
+    A 16-bit cache's double-buffered K/V tiles take ~72 KB of shared memory: 3 to an H100's SM
+    (228 KB), 2 to an A100's (164 KB). An 8-bit cache's program (2 warps) takes ~250 registers a
+    thread and ~41 KB: 4 to an H100's SM (its 64K registers), 3 to an A100's."""
+    hopper = capability_major >= 9
+    if quantized:
+        return 4 if hopper else 3
+    return 3 if hopper else 2
 
 
 @functools.cache
-def decode_programs(device: torch.device) -> int:
-    """The programs one flash-decoding launch on device aims for: DECODE_WAVES waves of its
-    SMs (the interpreter on a CPU: a few, so tests see several splits)."""
+def decode_wave(device: torch.device, quantized: bool = False) -> int:
+    """The flash-decoding programs device runs at once."""
     if device.type != "cuda":
-        return DECODE_WAVES
+        return CPU_WAVE
     gpu = torch.cuda.get_device_properties(device)
-    return DECODE_WAVES * decode_programs_per_sm(gpu.major) * gpu.multi_processor_count
+    return decode_programs_per_sm(gpu.major, quantized) * gpu.multi_processor_count
 
 
-def split_count(batch_size: int, num_kv_heads: int, max_context_len: int, programs: int) -> int:
-    """Splits per (sequence or query tile, KV head) of a launch that aims at `programs` programs:
-    as many as that takes, and no more than a context of max_context_len can use (a split holds
-    at least MIN_SPLIT slots). Decode at batch 1, 8 KV heads, 4k context: 16 splits."""
-    wanted = -(-programs // (batch_size * num_kv_heads))
-    return max(1, min(wanted, -(-max_context_len // MIN_SPLIT)))
-
-
-def decode_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
-    """split_count for device's GPU. Depends on shapes only, so CUDA graphs (which pass
-    max_model_len) and eager steps of one batch size compile and launch alike. An eager
-    step's bound can be lower (its longest context: fewer splits) or higher (a head whose
-    own pages reach past max_model_len, kvcompress), so at long contexts graphed and eager
-    steps can sum their splits in another order: equal up to the last bits."""
-    return split_count(batch_size, num_kv_heads, max_context_len, decode_programs(device))
+def split_count(batch_size: int, num_kv_heads: int, max_context_len: int, wave: int, max_waves: int = 1) -> int:
+    """Splits per (sequence or query tile, KV head) of a launch on a GPU that runs `wave` programs
+    at once: the fewest that fill the last wave to FULL_WAVE (more only add partial results to
+    merge); where none does, those that fill it most, the most of them among equals (shorter
+    programs: a shorter tail). No more than max_waves waves of programs need, nor than a context
+    of max_context_len can use (a split holds at least MIN_SPLIT slots). Decode on an H200
+    (wave 396) with 8 KV heads, context 4k: 16 splits at batch 1, 3 at batch 16 and 64."""
+    tasks = batch_size * num_kv_heads
+    most = max(1, min(-(-max_waves * wave // tasks), -(-max_context_len // MIN_SPLIT)))
+    return _fullest_last_wave(tasks, wave, most)
 
 
 @functools.cache
-def prefill_programs(device: torch.device) -> int:
-    """The programs a split prefill launch aims for: one per SM. A program of the prefill kernel
-    holds a whole query tile, and each split writes its tile's partial output in fp32 for the
-    merge, so splits pay less than flash-decoding's: on an H200 a 64-token chunk over a 4k
-    context ran fastest in 8 splits (16 tiles x heads: 128 programs), 1.4x faster than in 16
-    (docs/PERF.md). The interpreter on a CPU: a few, so tests see several splits."""
+def _fullest_last_wave(tasks: int, wave: int, most: int) -> int:
+    def last_wave_full(splits: int) -> float:   # the programs over the slots of the waves they take
+        programs = tasks * splits
+        return programs / (wave * -(-programs // wave))
+    candidates = range(1, most + 1)
+    return next((s for s in candidates if last_wave_full(s) >= FULL_WAVE),
+                max(reversed(candidates), key=last_wave_full))
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int, device: torch.device,
+                      quantized: bool = False) -> int:
+    """split_count for device's GPU, up to DECODE_WAVES waves. Depends on shapes only, so CUDA
+    graphs (which pass max_model_len) and eager steps of one batch size compile and launch
+    alike. An eager step's bound can be lower (its longest context: fewer splits) or higher (a
+    head whose own pages reach past max_model_len, kvcompress), so at long contexts graphed and
+    eager steps can sum their splits in another order: equal up to the last bits."""
+    return split_count(batch_size, num_kv_heads, max_context_len, decode_wave(device, quantized), DECODE_WAVES)
+
+
+@functools.cache
+def prefill_wave(device: torch.device) -> int:
+    """The prefill kernel's programs device runs at once: one per SM. A program holds a whole
+    query tile, and each split writes its tile's partial output in fp32 for the merge; on an
+    H200 a 64-token chunk over a 4k context ran fastest in 8 splits (16 tiles x heads: 128
+    programs), 1.4x faster than in 16 (docs/PERF.md)."""
     if device.type != "cuda":
-        return DECODE_WAVES
+        return CPU_WAVE
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def prefill_num_splits(num_seqs: int, max_query_len: int, num_kv_heads: int, group: int, dtype: torch.dtype,
                        max_context_len: int, device: torch.device, quantized: bool = False) -> int:
     """Splits per (sequence, KV head) of the prefill kernel's contexts: split_count over the
-    batch's query tiles, so a few short chunks over long contexts (block-wise prefill) fill
-    the GPU's SMs, and a long prefill takes one."""
+    batch's query tiles, up to one wave, so a few short chunks over long contexts (block-wise
+    prefill) fill the GPU's SMs, and a long prefill takes one."""
     block_q = prefill_tiles(dtype, max_query_len, group, quantized)[0] // group
     tiles = num_seqs * -(-max_query_len // block_q)
-    return split_count(tiles, num_kv_heads, max_context_len, prefill_programs(device))
+    return split_count(tiles, num_kv_heads, max_context_len, prefill_wave(device))
 
 
 def prefill_split_bytes(head_dim: int, device: torch.device) -> int:
     """The most a split prefill's fp32 partial results take: splits > 1 only while tiles x Hkv
-    < programs, so tokens x splits < 2 x block_q x programs / Hkv, and as block_q <=
-    PREFILL_BLOCK_M / G, token-heads x splits < 2 x PREFILL_BLOCK_M x programs."""
+    < a wave, so tokens x splits < 2 x block_q x wave / Hkv, and as block_q <= PREFILL_BLOCK_M
+    / G, token-heads x splits < 2 x PREFILL_BLOCK_M x wave."""
     if backend(device) != "triton":
         return 0
-    return 2 * PREFILL_BLOCK_M * prefill_programs(device) * (head_dim + 1) * 4
+    return 2 * PREFILL_BLOCK_M * prefill_wave(device) * (head_dim + 1) * 4
 
 
-def decode_partials(max_num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+def decode_partials(max_num_seqs: int, num_kv_heads: int, device: torch.device, quantized: bool = False) -> int:
     """The most (sequence, split) pairs a flash-decoding call of up to max_num_seqs sequences
     uses on device, whatever their contexts: unbounded contexts take the most splits, so no
-    bound is needed, and it is at most decode_programs / Hkv + max_num_seqs."""
-    return max(b * decode_num_splits(b, num_kv_heads, 2**62, device) for b in range(1, max_num_seqs + 1))
+    bound is needed, and it is under DECODE_WAVES x decode_wave / Hkv + max_num_seqs."""
+    return max(b * decode_num_splits(b, num_kv_heads, 2**62, device, quantized) for b in range(1, max_num_seqs + 1))
 
 
 def decode_workspace_for(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                         device: torch.device) -> DecodeWorkspace | None:
+                         device: torch.device, quantized: bool = False) -> DecodeWorkspace | None:
     """Flash-decoding's split partials for every decode batch of up to max_num_seqs sequences
     (a few MB), allocated once; None where the Triton kernels do not run."""
     if backend(device) != "triton":
         return None
-    return decode_workspace(decode_partials(max_num_seqs, num_kv_heads, device) * num_heads, head_dim, device)
+    partials = decode_partials(max_num_seqs, num_kv_heads, device, quantized)
+    return decode_workspace(partials * num_heads, head_dim, device)
 
 
 def logits_scratch(num_pages: int, group: int, block_size: int, device: torch.device) -> torch.Tensor | None:
@@ -299,7 +321,8 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
     def part(per_seq, which: slice):   # the decodes' or the chunks' part of a per-sequence tensor, or None
         return None if per_seq is None else per_seq[which]
     if num_decodes:
-        splits = decode_num_splits(num_decodes, page_tables.shape[1], max_context_len, q.device)
+        quantized = kv_scales is not None
+        splits = decode_num_splits(num_decodes, page_tables.shape[1], max_context_len, q.device, quantized)
         decodes = slice(None, num_decodes)
         paged_decode_attention_triton(q[decodes], k_cache, v_cache, page_tables[decodes],
                                       context_lens[decodes], scale, splits, score_cache=score_cache,
@@ -328,6 +351,6 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
 
 __all__ = ["BACKENDS", "QUANT_MAX", "DecodeWorkspace", "PackedLinear", "StepPlan", "add_rms_norm", "apply_rope",
            "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits",
-           "decode_partials", "decode_programs", "decode_workspace_for", "dequantize", "forced_backend", "logits_scratch",
-           "long_rope_rows", "move_slots", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits", "prefill_programs", "prefill_split_bytes", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
+           "decode_partials", "decode_wave", "decode_workspace_for", "dequantize", "forced_backend", "logits_scratch",
+           "long_rope_rows", "move_slots", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits", "prefill_wave", "prefill_split_bytes", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
            "set_backend", "silu_and_mul", "split_count", "store_kv"]

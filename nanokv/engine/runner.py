@@ -65,8 +65,8 @@ class ModelRunner:
             self.link_and_device = self._measure_link_and_device()
             # Flash-decoding's split partials and the presses' layer inputs, allocated before the memory
             # profile counts what is in use.
-            self.decode_workspace = kernels.decode_workspace_for(
-                config.max_num_seqs, model_config.num_heads, model_config.num_kv_heads, model_config.head_dim, device)
+            self.decode_workspace = kernels.decode_workspace_for(config.max_num_seqs, model_config.num_heads,
+                model_config.num_kv_heads, model_config.head_dim, device, quantized=kv_dtype != dtype)
             self.press_window = PressWindow(model, config.press_window, config.max_num_seqs, device)
             num_blocks = memory.pool_blocks(config, model_config, kv_dtype, device, self.uses_graphs,
                                             self.profile_forward)

@@ -84,7 +84,7 @@ def decode_times(batch: int, ctx: int, int8: bool = False) -> tuple[float, float
     hq, hkv, d, block = 32, 8, 128, 16
     k, v, tables, lens = paged_kv(batch, ctx, hkv, d, block, torch.bfloat16)
     q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
-    splits = decode_num_splits(batch, hkv, ctx, q.device)
+    splits = decode_num_splits(batch, hkv, ctx, q.device, quantized=int8)
     work = decode_workspace(batch * hq * splits, d, "cuda")
     cache, scales = (k, v), None
     if int8:

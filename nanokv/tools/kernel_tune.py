@@ -85,17 +85,17 @@ def decode_groups():
     cases = [(f"{'int8' if int8 else 'bf16'} batch {b} ctx {c}", b, c, int8, decode_case(b, c, int8))
              for int8, b, c in shapes]
     for label, b, c, int8, run in cases:
-        rule = decode_num_splits(b, HKV, c, torch.device("cuda"))
+        rule = decode_num_splits(b, HKV, c, torch.device("cuda"), quantized=int8)
         reference = run(rule)
         for splits in dict.fromkeys([rule, 1, 2, 3, 4, 6, 8, 16, 32, 64]):
             yield "decode splits", label, f"splits {splits}{' (rule)' if splits == rule else ''}", \
                 (lambda run=run, splits=splits: run(splits)), reference
     for label, b, c, int8, run in cases:
-        rule = decode_num_splits(b, HKV, c, torch.device("cuda"))
+        rule = decode_num_splits(b, HKV, c, torch.device("cuda"), quantized=int8)
         reference = run(rule)
         for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
             def variant(run=run, rule=rule, block_n=block_n, warps=warps, stages=stages):
-                with mock.patch.object(decode, "kv_tile", lambda dtype, quantized=False: (block_n, warps)), \
+                with mock.patch.object(decode, "decode_tile", lambda dtype, quantized: (block_n, warps)), \
                         mock.patch.object(decode, "_decode_split_kernel", Staged(decode._decode_split_kernel, stages)):
                     return run(rule)
             yield "decode tiles", label, f"BLOCK_N {block_n} warps {warps} stages {stages}", variant, reference

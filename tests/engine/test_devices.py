@@ -3,6 +3,7 @@ follows the engine's device, everything goes to the engine's own CUDA device, fl
 workspace holds every split count the GPU's SMs ask for, and the pool sizing counts what a
 run allocates beyond the K/V (page tables, graph inputs, eviction in bounded pieces)."""
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from nanokv.engine import evict, memory, runner
 from nanokv.engine.cuda_graphs import DecodeGraphs
 from nanokv.llm import engine_device
 
-H100_PROGRAMS = 4 * 3 * 132   # DECODE_WAVES x programs per SM x SMs
+H100_WAVE = 3 * 132   # the 16-bit decode kernel's programs an SM holds x SMs
 
 
 @pytest.fixture
@@ -70,11 +71,11 @@ def test_the_engine_works_on_its_own_device(tiny_dir, monkeypatch):
     class Properties:
         major, multi_processor_count = 9, 132
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: asked.append(device) or Properties())
-    kernels.decode_programs.cache_clear()
+    kernels.decode_wave.cache_clear()
     try:
-        assert kernels.decode_programs(torch.device("cuda", 1)) == H100_PROGRAMS and asked == [torch.device("cuda", 1)]
+        assert kernels.decode_wave(torch.device("cuda", 1)) == H100_WAVE and asked == [torch.device("cuda", 1)]
     finally:
-        kernels.decode_programs.cache_clear()
+        kernels.decode_wave.cache_clear()
 
     entered = []
 
@@ -93,18 +94,18 @@ def test_the_engine_works_on_its_own_device(tiny_dir, monkeypatch):
 
 def test_the_decode_workspace_holds_every_split_count_a_gpu_asks_for(monkeypatch):
     """Graphs pass max_model_len as the context bound; an eager step passes its own, which an
-    uneven method's wide head can push past it (here 2112 of 2048 tokens: 57 decodes x 9
-    splits on an H100 with Hkv 2, one more than a workspace sized for 2048 would hold). The
+    uneven method's wide head can push past it (here 2112 of 2048 tokens: 44 decodes x 9
+    splits on an H100 with Hkv 2, more than the 392 a workspace sized for 2048 would hold). The
     workspace is sized for any context."""
-    monkeypatch.setattr(kernels, "decode_programs", lambda device: H100_PROGRAMS)
+    monkeypatch.setattr(kernels, "decode_wave", lambda device, quantized=False: H100_WAVE)
     gpu = torch.device("cuda", 0)
     sized_for_2048 = max(b * kernels.decode_num_splits(b, 2, 2048, gpu) for b in range(1, 65))
-    assert sized_for_2048 == 512 and 57 * kernels.decode_num_splits(57, 2, 2112, gpu) == 513
+    assert sized_for_2048 == 392 and 44 * kernels.decode_num_splits(44, 2, 2112, gpu) == 396
     partials = kernels.decode_partials(64, 2, gpu)
     for b in range(1, 65):
         for context in (1, 2048, 2112, 8192, 2**20):
             assert b * kernels.decode_num_splits(b, 2, context, gpu) <= partials
-    assert partials <= H100_PROGRAMS // 2 + 64   # a few MB at most
+    assert partials <= kernels.DECODE_WAVES * H100_WAVE // 2 + 64   # a few MB at most
 
 
 def test_each_step_page_tables_fit_the_reserve(tiny_dir, monkeypatch):
@@ -162,13 +163,51 @@ def test_eviction_in_small_pieces_keeps_the_same_pairs(tiny_dir, monkeypatch, kv
 @pytest.mark.parametrize("sms", [108, 132])
 def test_flash_decoding_keeps_every_sm_busy_where_the_context_allows(sms):
     """split_count: at least two programs per SM, unless the contexts hold fewer splits than
-    that (a split is at least MIN_SPLIT slots); never more splits than the launch's aim
-    needs, nor than the context can fill."""
-    programs = kernels.DECODE_WAVES * 3 * sms
+    that (a split is at least MIN_SPLIT slots); never more splits than DECODE_WAVES waves
+    need, nor than the context can fill."""
+    wave = 3 * sms
     for batch in (1, 2, 3, 7, 16, 64, 256):
         for heads in (1, 2, 8, 32):
             for context in (1, MIN_SPLIT - 1, MIN_SPLIT, 1000, 1024, 4096, 32768):
-                splits = kernels.split_count(batch, heads, context, programs)
+                splits = kernels.split_count(batch, heads, context, wave, kernels.DECODE_WAVES)
                 most = -(-context // MIN_SPLIT)
                 assert batch * heads * splits >= min(2 * sms, batch * heads * most), (batch, heads, context)
-                assert 1 <= splits <= most and (splits == 1 or batch * heads * (splits - 1) < programs)
+                assert 1 <= splits <= most
+                assert splits == 1 or batch * heads * (splits - 1) < kernels.DECODE_WAVES * wave
+
+
+# Microseconds by split count, timed side by side on an H200 (132 SMs; nanokv.tools.kernel_tune,
+# 2026-11-27, docs/PERF.md): flash-decoding with Hq 32, Hkv 8, head_dim 128, a bf16 or int8
+# cache; the prefill kernel over a 64-token chunk or a whole 4k prompt, Hkv 8, G 4.
+DECODE_TIMED = {
+    ("bf16", 1, 1024): {1: 29.3, 2: 19.6, 3: 18.2, 4: 15.1},
+    ("bf16", 1, 4096): {1: 96.0, 2: 53.3, 3: 40.2, 4: 32.2, 6: 26.2, 8: 22.9, 16: 21.0},
+    ("bf16", 16, 1024): {1: 37.4, 2: 33.2, 3: 33.6, 4: 35.9},
+    ("bf16", 16, 4096): {1: 103.9, 2: 81.0, 3: 82.5, 4: 96.2, 6: 85.7, 8: 87.9, 13: 91.3, 16: 91.6},
+    ("bf16", 64, 1024): {1: 95.7, 2: 85.6, 3: 85.9, 4: 86.8},
+    ("bf16", 64, 4096): {1: 322.5, 2: 270.5, 3: 264.8, 4: 275.7, 6: 270.6, 8: 275.4, 16: 286.4},
+    ("int8", 16, 4096): {1: 135.5, 2: 77.1, 3: 78.7, 4: 67.5, 6: 77.6, 8: 78.1, 13: 78.2, 16: 84.5},
+    ("int8", 64, 4096): {1: 214.8, 2: 217.7, 3: 233.8, 4: 221.4, 6: 223.9, 8: 228.0, 16: 264.1},
+}
+PREFILL_TIMED = {
+    (64, 1024): {1: 36.8, 2: 26.9, 4: 23.6},
+    (64, 4096): {1: 121.8, 2: 65.0, 4: 43.2, 8: 38.7, 9: 41.7, 16: 54.0},
+    (4096, 4096): {1: 482.4, 2: 538.4, 4: 617.9, 8: 795.7, 16: 1163.2},
+}
+
+
+def test_the_split_counts_are_the_fastest_timed_on_an_h200(monkeypatch):
+    """The launch rule picks, for each case timed, a split count within 2% of the fastest
+    (the rule before it, four waves of programs, was 13% off at batch 16 over 4k)."""
+    class H200:
+        major, multi_processor_count = 9, 132
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H200())
+    for cached in (kernels.decode_wave, kernels.prefill_wave):   # fresh caches: cuda:0 is an H200 only here
+        monkeypatch.setattr(kernels, cached.__name__, functools.cache(cached.__wrapped__))
+    gpu = torch.device("cuda", 0)
+    picked = {case: kernels.decode_num_splits(batch, 8, context, gpu, quantized=cache == "int8")
+              for case in DECODE_TIMED for cache, batch, context in [case]}
+    picked |= {case: kernels.prefill_num_splits(1, q_len, 8, 4, torch.bfloat16, context, gpu)
+               for case in PREFILL_TIMED for q_len, context in [case]}
+    for case, times in (DECODE_TIMED | PREFILL_TIMED).items():
+        assert times[picked[case]] <= 1.02 * min(times.values()), (case, picked[case])

@@ -11,6 +11,12 @@ KERNELS = {"_decode_split_kernel", "_decode_merge_kernel", "_paged_attention_ker
            "_accumulate_key_scores_kernel", "_rms_norm_kernel", "_rope_kernel", "_silu_and_mul_kernel",
            "_store_kv_kernel"}
 SHARED_PER_SM = {90: 228 * 1024, 80: 164 * 1024}   # an SM's shared memory; 1 KB of it per program is reserved
+REGISTERS_PER_SM = 64 * 1024
+
+
+def registers_per_program(record) -> int:
+    """A program's registers: each warp's, allocated 256 at a time."""
+    return record.num_warps * -(-record.registers * 32 // 256) * 256
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +32,18 @@ def test_every_kernel_compiles_without_problems(compiled, arch):
 
 
 def test_decode_programs_per_sm_holds(compiled):
-    """kernels.decode_programs_per_sm sizes the decode grid: that many 16-bit decode
-    programs at head_dim 128 must fit in one SM's shared memory."""
+    """kernels.decode_programs_per_sm sizes the decode grid's waves: that many decode programs at
+    head_dim 128 fit in one SM, by shared memory and by registers, for a 16-bit and an 8-bit cache."""
+    checked = set()
     for r in compiled:
         if r.kernel == "_decode_split_kernel" and "fp32" not in r.case and ("128" in r.case or "8b" in r.case):
-            resident = decode_programs_per_sm(r.arch // 10)
+            quantized = "int8" in r.case
+            resident = decode_programs_per_sm(r.arch // 10, quantized)
             assert resident * (r.shared_bytes + 1024) <= SHARED_PER_SM[r.arch], r
+            assert resident * registers_per_program(r) <= REGISTERS_PER_SM, r
             assert r.shared_bytes <= SHARED_LIMIT[r.arch]
+            checked.add((r.arch, quantized))
+    assert checked == {(arch, quantized) for arch in (90, 80) for quantized in (False, True)}
 
 
 def test_problems_are_reported():
