@@ -9,6 +9,7 @@ from typing import Callable
 
 # The first GPU run's workload figure on an H200 (docs/PERF.md): overlapped steps aim at 1.4x it.
 H200_WORKLOAD_TOKENS_PER_S = 14453
+WORKLOAD_SHAPE = "qwen3-0.6b"   # the workload and host modes' model
 
 
 @dataclass
@@ -66,7 +67,11 @@ def kernels(output: str, records: list[dict]) -> list[Figure]:
     for r in (r for r in records if r.get("kind") == "prefill"):
         figures.append(_ratio(f"prefill {r['case']}: speed / SDPA flash's", r["vs_sdpa"], 0.8, above=True))
     for step in (r for r in records if r.get("kind") == "decode_step"):
-        figures.append(Figure(f"decode step, {step['case']}: time / roofline", f"{step['vs_roofline']:.2f}x"))
+        name = f"decode step, {step['case']}: time / roofline"
+        if step["shape"] == WORKLOAD_SHAPE:   # the workload's step on the device (the workload times the host's)
+            figures.append(_ratio(name, step["vs_roofline"], 1.25, above=False))
+        else:
+            figures.append(Figure(name, f"{step['vs_roofline']:.2f}x"))
     return figures
 
 
@@ -95,9 +100,7 @@ def paper(output: str, records: list[dict]) -> list[Figure]:
 
 def workload(output: str, records: list[dict]) -> list[Figure]:
     full = _one(records, mode="workload", method="full")
-    figures = [_ratio("workload: full's decode step / its roofline",
-                      full and full["decode_ms_per_step"] / full["roofline_ms_per_step"], 1.25, above=False),
-               _ratio("workload: full's tokens/s (H200: 1.4x the first run's)", _get(full, "tokens_per_s"),
+    figures = [_ratio("workload: full's tokens/s (H200: 1.4x the first run's)", _get(full, "tokens_per_s"),
                       1.4 * H200_WORKLOAD_TOKENS_PER_S, above=True, unit="")]
     for r in records:
         if r.get("mode") == "workload" and r["method"] != "full":

@@ -1,6 +1,8 @@
 """The tables and the plot bench.py prints and draws from its records."""
 from __future__ import annotations
 
+from nanokv.engine.timing import PHASES
+
 
 def method_label(name: str, budget: int | None) -> str:
     return name if budget is None else f"{name} |kv|={budget}"
@@ -40,6 +42,16 @@ def print_table(rows: list[dict], columns: list[tuple]) -> None:
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     for row in cells:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+
+
+def print_phases(rows: list[dict]) -> None:
+    """Each run's milliseconds per step in each phase of a step (nanokv/engine/timing.py), its
+    prefill steps (any prompt chunk) and decode steps apart: where a continuous run's host time goes."""
+    table = [dict(r, label=f"{method_label(r['method'], r['budget'])}, {kind}", steps=r[f"{kind}_steps"], **ms)
+             for r in rows for kind, ms in r["phase_ms"].items()]
+    phases = [phase for phase in PHASES if any(row[phase] for row in table)]
+    print("\nms per step in each phase (unsynchronised: forward and wait are where the host met the device)")
+    print_table(table, [("method, steps", "label", ""), ("steps", "steps", ""), *[(p, p, ".2f") for p in phases]])
 
 
 def plot(records: list[dict], path: str) -> None:

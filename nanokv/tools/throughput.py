@@ -19,7 +19,7 @@ from nanokv.tools.flags import engine_options
 from nanokv.tools.method_spec import parse_spec
 from nanokv.tools.provenance import source_commit
 from nanokv.tools.tables import (CONTINUOUS_COLUMNS, STATIC_COLUMNS, SWEEP_COLUMNS, WORKLOAD_COLUMNS, method_label,
-                                 print_table)
+                                 print_phases, print_table)
 
 
 class Method(NamedTuple):
@@ -129,6 +129,8 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
         wait_ms_per_step=1e3 * (timings.decode["wait"] + timings.prefill["wait"])
         / max(steps + timings.prefill_steps, 1),
         prefill_steps=timings.prefill_steps, decode_steps=steps,
+        phase_ms={kind: {phase: 1e3 * seconds / n for phase, seconds in getattr(timings, kind).items()}
+                  for kind, n in (("prefill", timings.prefill_steps), ("decode", steps)) if n},
         mean_decode_batch=decode_batch / steps if steps else None,
         mean_decode_context=decode_context / decode_batch if decode_batch else None,
         preemptions=stats.preemptions - before.preemptions, max_running=max_running,
@@ -238,6 +240,7 @@ def bench_paper(args, save: Callable[[dict], None]) -> list[dict]:
         save(rows[-1])
     print(f"\ncontinuous batching: {n} requests of the same shape submitted at t=0, same KV pool")
     print_table(rows, CONTINUOUS_COLUMNS)
+    print_phases(rows)
     return records + rows
 
 
@@ -260,6 +263,7 @@ def bench_workload(args, save: Callable[[dict], None]) -> list[dict]:
           f"uniform in [100, 1024], EOS ignored; {context['model']}, {context['dtype']}, {context['device']}, "
           f"KV pool {context['kv_pool_gb']:.2f} GB; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     print_table(rows, WORKLOAD_COLUMNS)
+    print_phases(rows)
     return rows
 
 

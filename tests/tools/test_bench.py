@@ -164,11 +164,16 @@ def test_paper_mode_end_to_end(tiny_dir, tmp_path, capsys, monkeypatch):
     assert all(r["fits"] and r["batch"] == 6 and r["output_tokens"] == 6 * 4 for r in continuous)
     assert synchronized == [r["mode"] == "static" for r in records]
     assert all(r["wait_ms_per_step"] >= 0 for r in continuous)
+    for r in continuous:   # the phases of each kind of step add up to its steps' time
+        steps = {kind: r[f"{kind}_steps"] for kind in r["phase_ms"]}
+        assert sum(sum(ms.values()) * steps[kind] for kind, ms in r["phase_ms"].items()) == \
+            pytest.approx(1e3 * (r["prefill_s"] + r["decode_s"]))
     assert all(r["evict_pieces"] == 0 for r in records if r["method"] == "full")
     assert all(r["evict_pieces"] > 0 for r in records if r["method"] == "batchmax" and r["fits"])
     table = capsys.readouterr().out
     assert "static batches" in table and "continuous batching" in table and "batchmax |kv|=32" in table
     assert "wait ms/step" in table and "evict pieces" in table
+    assert "ms per step in each phase" in table and "batchmax |kv|=32, decode" in table
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 

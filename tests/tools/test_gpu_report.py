@@ -122,7 +122,8 @@ def test_the_real_parts_fit_nine_minutes_and_are_well_formed():
         == (3584, 512, 4.0, [1024], [2])
     assert paper.methods == ["full", "ed", "batchmax"] and paper.random_weights == "llama-3.1-8b"
     host = bench.parse_args(next(p.args[1:] for p in parts if "host" in p.args))
-    assert host.random_weights == "qwen3-0.6b"   # the shape whose target it measures
+    workload = bench.parse_args(next(p.args[1:] for p in parts if "workload" in p.args))
+    assert host.random_weights == workload.random_weights == gpu_targets.WORKLOAD_SHAPE   # the shape its targets name
 
 
 def test_the_figures_read_what_the_parts_recorded():

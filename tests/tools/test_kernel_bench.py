@@ -27,3 +27,4 @@ def test_each_decode_step_its_table_and_figure():
     figures = [f for f in gpu_targets.kernels("", records) if f.name.startswith("decode step")]
     assert [f.name for f in figures] == ["decode step, llama-3.1-8b shape, batch 64: time / roofline",
                                          "decode step, qwen3-0.6b shape, batch 128: time / roofline"]
+    assert [f.target for f in figures] == ["", "<= 1.25x"] and figures[1].met is False   # the workload's shape
