@@ -5,10 +5,10 @@ prefill.py's tiles) is made from.
     python -m nanokv.tools.kernel_tune [--out FILE] [--budget-s SECONDS]
 
 Decode (bf16 cache at batch 1, 16 and 64, contexts 1k and 4k; int8 at batch 16 and 64):
-the split count (the rule's, then 1, 2, 3, 4, 6 and powers of two to 64), then key tile x warps
-x pipeline stages.
+the split count (the rule's, then 1, 2, 3, 4, 6 and powers of two to 64; over 1k, splits
+shorter than MIN_SPLIT too), then key tile x warps x pipeline stages.
 Prefill (a 64-token chunk over 1k and 4k, a full 4k prefill): the split count (the rule's, then
-powers of two), then query tile x key tile x warps x stages. Each variant's output is checked against the shipped launch's before it is
+powers of two; over 1k, shorter splits too), then query tile x key tile x warps x stages. Each variant's output is checked against the shipped launch's before it is
 timed (kernel_bench.ms: graph replays); a variant that does not compile (shared memory) is
 listed as such. Lines print, and append to --out, as they are measured, so a run cut short
 keeps what it has; past --budget-s no new group starts.
@@ -79,6 +79,16 @@ def timed(fn, reference: torch.Tensor) -> dict:
         return dict(status=f"{type(failure).__name__}: {str(failure).splitlines()[0][:120]}")
 
 
+def shorter_splits(group: str, module, case: str, ctx: int, run, reference):
+    """Over a context of 1k or less, whose split count MIN_SPLIT (256 slots a split) bounds:
+    splits of 128 and of 64 slots, module's kernel launched with that bound instead."""
+    for min_split in (128, 64) if ctx <= 1024 else ():
+        def variant(min_split=min_split):
+            with mock.patch.object(module, "MIN_SPLIT", min_split):
+                return run(ctx // min_split)
+        yield group, case, f"splits {ctx // min_split} of {min_split} slots", variant, reference
+
+
 def decode_groups():
     """(group, case label, variant label, fn, reference) for every decode variant."""
     shapes = [(False, b, c) for b in (1, 16, 64) for c in (1024, 4096)] + [(True, b, 4096) for b in (16, 64)]
@@ -90,6 +100,7 @@ def decode_groups():
         for splits in dict.fromkeys([rule, 1, 2, 3, 4, 6, 8, 16, 32, 64]):
             yield "decode splits", label, f"splits {splits}{' (rule)' if splits == rule else ''}", \
                 (lambda run=run, splits=splits: run(splits)), reference
+        yield from shorter_splits("decode splits", decode, label, c, run, reference)
     for label, b, c, int8, run in cases:
         rule = decode_num_splits(b, HKV, c, torch.device("cuda"), quantized=int8)
         reference = run(rule)
@@ -111,6 +122,7 @@ def prefill_groups():
         for splits in dict.fromkeys([rule, 1, 2, 4, 8, 16]):
             yield "prefill splits", f"chunk {q_len} ctx {ctx}", f"splits {splits}{' (rule)' if splits == rule else ''}", \
                 (lambda run=run, splits=splits: run(splits)), reference
+        yield from shorter_splits("prefill splits", prefill, f"chunk {q_len} ctx {ctx}", ctx, run, reference)
     for q_len, ctx, run in cases:
         reference = run(rules[q_len, ctx])
         for block_m, block_n, warps, stages in itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3)):
