@@ -146,9 +146,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
 # ----- flash-decoding's launch and scratch -------------------------------------------------
 
 # A launch is split so that its programs fill their last wave on the GPU (a wave: the programs
-# its SMs hold at once). On an H200 the split counts that ran fastest in every decode and
-# prefill case timed were those that filled the last wave to 90% or more, the fewest of them:
-# a last wave a quarter full cost up to 13% more (docs/PERF.md, the sixth run).
+# its SMs hold at once). On an H200, in every decode and prefill case timed, the fewest splits
+# that filled the last wave to 90% ran within 2% of the fastest count, and a last wave under a
+# third full cost 13-19% more (docs/PERF.md, the sixth run).
 DECODE_WAVES = 4    # a decode launch is split into at most this many waves
 FULL_WAVE = 0.9
 CPU_WAVE = 4        # the interpreter's "wave" on a CPU: a few programs, so tests see several splits
