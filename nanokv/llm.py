@@ -195,7 +195,8 @@ class LLM:
 
     def stats(self) -> EngineStats:
         """A snapshot of what the engine holds: requests, KV blocks, preemptions (and, inside
-        timing(), where the steps' time went)."""
+        timing(), where the steps' time went). Never waits for the device: a caller may take
+        one at every step and the steps still overlap."""
         sched, blocks, host = self.scheduler, self.blocks, self.runner.host_cache
         return EngineStats(len(sched.running), len(sched.waiting), sum(seq.num_kv_slots for seq in sched.running),
                            blocks.num_free, blocks.num_blocks, blocks.block_size, self.runner.kv_cache.block_bytes,
@@ -204,7 +205,7 @@ class LLM:
                            host.bytes_per_block(self.runner.kv_cache), *sched.host_copies, sched.host_hits,
                            sum(len(seq.offloaded) for seq in sched.running), sched.num_offloaded,
                            self.runner.blocks_streamed, self.runner.positions_recomputed,
-                           *self.runner.evictor.pair_counts.tolist(), self.runner.evictor.num_pieces)
+                           *self.runner.evictor.pair_totals(), self.runner.evictor.num_pieces)
 
     @contextlib.contextmanager
     def timing(self, synchronize: bool = True) -> Iterator[Timings]:

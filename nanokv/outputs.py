@@ -67,6 +67,8 @@ class EngineStats:
     blocks_offloaded: int = 0    # and since the engine started: blocks they moved there,
     blocks_streamed: int = 0     # blocks copied back for a step's layers (each step counts its own),
     positions_recomputed: int = 0  # positions whose K/V a step recomputed instead
+    # Counted on the device, these two reach the host behind the steps: exact once the steps that
+    # evicted are done (their tokens read).
     pairs_evicted: int = 0   # since the engine started: KV pairs eviction dropped, per KV head summed
     pairs_moved: int = 0     # and pairs it wrote to keep each head's dense (rank 0's heads when split),
     eviction_pieces: int = 0   # and the pieces it took them in (nanokv/engine/evict.py), each the same launches

@@ -26,7 +26,7 @@ import torch
 import kernels
 from models import KVCache
 from models.tensor_parallel import Shard
-from nanokv.engine.head_pages import HeadTables, OwnPages
+from nanokv.engine.head_pages import HeadTables, Landing, OwnPages
 from nanokv.engine.press_window import PressWindow
 from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import Sequence
@@ -119,6 +119,16 @@ class Evictor:
         self.pair_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         self.evicted_pairs, self.moved_pairs = self.pair_counts   # views: each count one launch, in place
         self.num_pieces = 0   # and the pieces they were taken in, each the same launches
+        self._counted = [0, 0]                  # the counts as the host last had them,
+        self._counting: Landing | None = None   # and a copy of later ones on its way
+
+    def pair_totals(self) -> list[int]:
+        """[evicted, moved]: the pair counts as far as the host has them. Never waits for the
+        device: exact once the steps that evicted are done (their tokens read, say)."""
+        landed = self._counting.values() if self._counting is not None else None
+        if landed is not None:
+            self._counted, self._counting = landed, None
+        return self._counted
 
     def evict(self, evictions: list[Eviction]) -> None:
         """Drop each eviction's pairs from every (layer, KV head) of its sequence, the survivors
@@ -145,6 +155,9 @@ class Evictor:
                 self.moved_pairs += valid.sum()
                 if seqs[0].method.windowed:   # its scores restart: the next window counts from zero
                     self.cache.scores.index_fill_(0, piece.flatten().long(), 0.0)
+        if evictions:
+            self.pair_totals()   # an earlier copy taken if it has landed; this one follows it
+            self._counting = Landing(self.pair_counts)
 
     def _pieces(self, num_seqs: int, method: KVMethod, num_slots: int, num_evicted: int = 0,
                 num_moved: int = 0) -> list[tuple[slice, slice]]:

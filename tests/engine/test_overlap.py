@@ -6,6 +6,7 @@ import traceback
 import pytest
 import torch
 
+import kernels
 from helpers import device_waits, preemption_prompts
 from nanokv import LLM, SamplingParams
 from nanokv.engine import sampler as sampler_module
@@ -175,3 +176,59 @@ def test_a_step_is_launched_without_waiting_for_the_gpu(tiny_dir, method):
     with llm.timing(synchronize=False):   # as the workload mode times its steps
         llm.generate(preemption_prompts(), params)
     assert len(launches) >= 40 and waits == []   # a launch for each of the 40 tokens at least
+
+
+class _NotYet:
+    """An event standing for copies to the host that have not landed until `landed` holds True."""
+
+    def __init__(self, landed: list):
+        self.landed = landed
+
+    def query(self) -> bool:
+        return bool(self.landed)
+
+    def synchronize(self) -> None:   # a read that must wait (the sampled tokens) has its values: clones
+        pass
+
+
+@pytest.mark.parametrize("method", ["batchmax", "kvcompress"])
+def test_engine_stats_take_the_eviction_counts_from_a_copy_on_its_way(tiny_dir, monkeypatch, method):
+    """stats() (which the server's engine thread, chat.py and bench.py's continuous runs take at
+    every step) never reads the device's counters: it reports the copy of them made behind the last eviction, once that has
+    landed, and what had landed before until then. Copies here are clones that land when told."""
+    landed = []
+    monkeypatch.setattr(kernels, "to_host", lambda tensors: (tuple(t.clone() for t in tensors), _NotYet(landed)))
+    llm = engine(tiny_dir, True)
+    params = SamplingParams(temperature=0, max_tokens=40, kv_method=method, kv_budget=32, evict_every=16)
+    llm.generate(preemption_prompts(), params)
+    counts = llm.runner.evictor.pair_counts.tolist()
+    assert counts[0] > 0 and llm.stats().pairs_evicted == llm.stats().pairs_moved == 0   # none landed yet
+    landed.append(True)
+    stats = llm.stats()
+    assert [stats.pairs_evicted, stats.pairs_moved] == counts   # the copy holds the last eviction's counts
+
+
+@pytest.mark.gpu
+def test_a_run_that_takes_stats_at_every_step_waits_only_for_its_tokens(tiny_dir):
+    """A run stepped as bench.py's continuous runs step it (stats() after every step, phases timed
+    unsynchronised) makes the host wait for the device only where it reads a step's tokens, and
+    once it is over stats() holds the exact eviction counts."""
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, num_kv_blocks=200, device="cuda")
+    waits = []
+
+    def waited():
+        stack = traceback.extract_stack()
+        if not any(frame.name == "read" and frame.filename.endswith("sampler.py") for frame in stack):
+            waits.append(stack[-6:])
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, kv_method=method, kv_budget=64, evict_every=16)
+              for method in ("batchmax", "kvcompress")]
+    llm.generate(preemption_prompts(), params[0])   # the decode graphs captured (that waits) before
+    for prompt in preemption_prompts():
+        for p in params:
+            llm.add_request(prompt, p)
+    with llm.timing(synchronize=False), device_waits(waited):
+        while llm.has_unfinished():
+            llm.step()
+            llm.stats()
+    assert waits == []
+    assert [llm.stats().pairs_evicted, llm.stats().pairs_moved] == llm.runner.evictor.pair_counts.tolist()
