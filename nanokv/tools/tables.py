@@ -17,12 +17,14 @@ SPEED = [("tokens/s", "tokens_per_s", ".1f"), ("x full", "x_full", ".2f")]
 STATIC_COLUMNS = [("method", "label", ""), ("batch", "largest", ""), ("OOM at", "oom_at", ""), *SPEED,
                   ("peak KV GB", "peak_kv_gb", ".3f"), *TIMES]
 WAIT = ("wait ms/step", "wait_ms_per_step", ".2f")   # continuous runs: their steps are not synchronised
+ALLOCATOR = [("cudaMalloc", "cuda_mallocs", ""), ("retries", "alloc_retries", ""),   # a GPU's, in the run
+             ("cudaHostAlloc", "pinned_mallocs", "")]
 CONTINUOUS_HEAD = [("method", "label", ""), *SPEED, ("max running", "max_running", ""),
                    ("preemptions", "preemptions", ""), ("peak KV GB", "peak_kv_gb", ".3f")]
-CONTINUOUS_COLUMNS = [*CONTINUOUS_HEAD, *TIMES, WAIT]
+CONTINUOUS_COLUMNS = [*CONTINUOUS_HEAD, *TIMES, WAIT, *ALLOCATOR]
 WORKLOAD_COLUMNS = [*CONTINUOUS_HEAD, TIMES[0], ("roofline ms/step", "roofline_ms_per_step", ".1f"),
                     ("mean batch", "mean_decode_batch", ".1f"), ("mean context", "mean_decode_context", ".0f"),
-                    *TIMES[1:], WAIT]
+                    *TIMES[1:], WAIT, *ALLOCATOR]
 SWEEP_COLUMNS = [("method", "label", ""), ("input", "input_len", ""), ("batch", "batch", ""), ("fits", "fits", ""),
                  *SPEED, ("peak KV GB", "peak_kv_gb", ".3f"), *TIMES]
 

@@ -91,10 +91,13 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
     phases are timed with the device synchronised at each (what eviction and prefill cost the
     device). A continuous run's are not, so its steps overlap as a server's do: its decode
     ms/step is each decode step's wall time, its evict s and host ms/step the host's own time,
-    and wait ms/step how long the host waited for the device."""
+    and wait ms/step how long the host waited for the device. On a GPU also the caching
+    allocator's calls to the driver in the run (allocator_calls): each costs the host far more
+    than a launch."""
     cuda = llm.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(llm.device)
+    calls = allocator_calls(llm.device)
     fits = True
     tokens = peak_blocks = max_running = decode_batch = decode_context = 0
     stats = before = llm.stats()
@@ -113,6 +116,7 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
                 fits = False
                 break
     wall = time.perf_counter() - start
+    calls = {key: n - calls[key] for key, n in allocator_calls(llm.device).items()}
     if not fits:   # give the blocks back (aborting a finished request does nothing)
         for request_id in ids:
             llm.abort(request_id)
@@ -122,6 +126,8 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
         tokens_per_s=tokens / wall if fits else None,
         peak_kv_gb=peak_blocks * stats.block_bytes / 1e9,
         cuda_max_allocated_gb=torch.cuda.max_memory_allocated(llm.device) / 1e9 if cuda else None,
+        cuda_mallocs=calls.get("num_device_alloc"), alloc_retries=calls.get("num_alloc_retries"),
+        pinned_mallocs=calls.get("num_host_alloc"),
         decode_ms_per_step=1e3 * decode_s / steps if steps else None,
         prefill_s=prefill_s, decode_s=decode_s, evict_s=timings.decode["evict"] + timings.prefill["evict"],
         host_ms_per_step=1e3 * (timings.host_s("decode") + timings.host_s("prefill"))
@@ -137,6 +143,16 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
         evict_pieces=stats.eviction_pieces - before.eviction_pieces,
         moved_per_evicted=(stats.pairs_moved - before.pairs_moved) / (stats.pairs_evicted - before.pairs_evicted)
         if stats.pairs_evicted > before.pairs_evicted else None)
+
+
+def allocator_calls(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocators' calls to the driver so far: cudaMalloc, retries (a malloc that
+    failed, then the cache freed, which waits for the device) and pinned host blocks allocated
+    (cudaHostAlloc); none off a GPU."""
+    if device.type != "cuda":
+        return {}
+    stats = {**torch.cuda.memory_stats(device), **torch.cuda.host_memory_stats()}
+    return {key: stats.get(key, 0) for key in ("num_device_alloc", "num_alloc_retries", "num_host_alloc")}
 
 
 def run_context(args, llm) -> dict:
