@@ -75,7 +75,7 @@ METHODS = ("methods", "budgets", "ed_budgets", "evict_every")
 MODE_FLAGS = {
     "paper": {*MODEL, *ENGINE_FLAGS, *METHODS, "input_len", "output_len", "max_batch", "num_requests", "out", "plot"},
     "sweep": {*MODEL, *ENGINE_FLAGS, *METHODS, "input_len", "input_lens", "output_len", "batches", "out", "plot"},
-    "workload": {*MODEL, *ENGINE_FLAGS, *METHODS, "num_requests", "out"},
+    "workload": {*MODEL, *ENGINE_FLAGS, *METHODS, "num_requests", "profile_steps", "out"},
     "prefix": {*MODEL, *ENGINE_FLAGS, "input_len", "output_len", "num_requests", "suffix_len", "turns", "out"},
     "host": {"random_weights", "dtype", "kv_cache_dtype", "block_size", "enforce_eager", "num_threads",
              "tensor_parallel_size", "methods", "budgets", "evict_every", "input_len", "output_len", "batches", "out",
@@ -122,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suffix-len", type=int, default=64, help="prefix: each request's own tokens after the "
                    "shared prefix (--input-len), and each chat message")
     p.add_argument("--turns", type=int, default=8, help="prefix: chat turns")
+    p.add_argument("--profile-steps", type=int, nargs=2, metavar=("FIRST", "LAST"),
+                   help="workload: run steps FIRST to LAST - 1 of each method under torch.profiler and print the ops "
+                   "that took the host's time (the profiler slows those steps)")
     p.add_argument("--out", help="append one JSON line per run here (sweep default: bench.jsonl)")
     p.add_argument("--plot", metavar="PNG", help="tokens/s and peak KV memory against batch size")
     p.add_argument("--report", default="gpu-report.md", help="gpu-report: where the markdown report goes")
@@ -138,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unused:
         p.error(f"--mode {mode} does not use {', '.join('--' + f.replace('_', '-') for f in unused)} "
                 f"(it takes {', '.join(sorted('--' + f.replace('_', '-') for f in MODE_FLAGS[mode]))})")
+    if args.profile_steps and not 0 <= args.profile_steps[0] < args.profile_steps[1]:
+        p.error(f"--profile-steps {' '.join(map(str, args.profile_steps))}: FIRST must be at least 0 and below LAST")
     if args.kv_cache_gb is None and args.mode in ("paper", "sweep"):
         args.kv_cache_gb = 4.0 if torch.cuda.is_available() else 0.4
     if args.out is None and args.mode == "sweep":

@@ -12,6 +12,7 @@ import time
 from typing import Callable, NamedTuple
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from nanokv import LLM, SamplingParams
@@ -84,7 +85,8 @@ def warm_up(llm, input_len: int, args) -> None:
 
 # ----- one run ---------------------------------------------------------------------------
 
-def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: bool) -> dict:
+def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: bool,
+            profile_steps: tuple[int, int] | None = None) -> dict:
     """Submit (prompt, SamplingParams) requests at once, step the engine until they are
     done, and say what it cost. static: stop as soon as the batch is known not to fit
     (a request waits after a step, or one was preempted) and report it as not fitting; its
@@ -93,7 +95,8 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
     ms/step is each decode step's wall time, its evict s and host ms/step the host's own time,
     and wait ms/step how long the host waited for the device. On a GPU also the caching
     allocator's calls to the driver in the run (allocator_calls): each costs the host far more
-    than a launch."""
+    than a launch. profile_steps (first, last): those steps run under torch.profiler (StepProfile),
+    its table of ops in the record."""
     cuda = llm.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(llm.device)
@@ -101,11 +104,14 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
     fits = True
     tokens = peak_blocks = max_running = decode_batch = decode_context = 0
     stats = before = llm.stats()
+    window = StepProfile(*profile_steps) if profile_steps else None
     start = time.perf_counter()
     with llm.timing(synchronize=static) as timings:
         ids = [llm.add_request(prompt, params) for prompt, params in requests]
         while llm.has_unfinished():
             decode_steps = timings.decode_steps
+            if window:
+                window.before_step(decode_steps + timings.prefill_steps)
             tokens += sum(len(out.new_token_ids) for out in llm.step())
             if timings.decode_steps > decode_steps:   # for the roofline: what the step read, at its start
                 decode_batch, decode_context = decode_batch + stats.running, decode_context + stats.kv_slots + stats.running
@@ -116,6 +122,8 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
                 fits = False
                 break
     wall = time.perf_counter() - start
+    if window:
+        window.stop()
     calls = {key: n - calls[key] for key, n in allocator_calls(llm.device).items()}
     if not fits:   # give the blocks back (aborting a finished request does nothing)
         for request_id in ids:
@@ -127,7 +135,7 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
         peak_kv_gb=peak_blocks * stats.block_bytes / 1e9,
         cuda_max_allocated_gb=torch.cuda.max_memory_allocated(llm.device) / 1e9 if cuda else None,
         cuda_mallocs=calls.get("num_device_alloc"), alloc_retries=calls.get("num_alloc_retries"),
-        pinned_mallocs=calls.get("num_host_alloc"),
+        pinned_mallocs=calls.get("num_host_alloc"), profile=window and window.table,
         decode_ms_per_step=1e3 * decode_s / steps if steps else None,
         prefill_s=prefill_s, decode_s=decode_s, evict_s=timings.decode["evict"] + timings.prefill["evict"],
         host_ms_per_step=1e3 * (timings.host_s("decode") + timings.host_s("prefill"))
@@ -143,6 +151,32 @@ def measure(llm: LLM, requests: list[tuple[list[int], SamplingParams]], static: 
         evict_pieces=stats.eviction_pieces - before.eviction_pieces,
         moved_per_evicted=(stats.pairs_moved - before.pairs_moved) / (stats.pairs_evicted - before.pairs_evicted)
         if stats.pairs_evicted > before.pairs_evicted else None)
+
+
+class StepProfile:
+    """torch.profiler over steps first to last - 1 of a run (counting from 0, the steps that
+    launched), the host's activity and on a GPU the device's: its table of the ops by the host's
+    own time in them, the ROWS costliest (the profiler's own cost slows those steps)."""
+    ROWS = 30
+
+    def __init__(self, first: int, last: int):
+        self.first, self.last = first, last
+        self.profiler, self.table = None, None
+
+    def before_step(self, launched: int) -> None:
+        """Before a step, with the number of steps launched so far."""
+        if self.profiler is None and self.table is None and self.first <= launched < self.last:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.profiler = profile(activities=activities)
+            self.profiler.start()
+        elif self.profiler is not None and launched >= self.last:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.table = self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=self.ROWS)
+            self.profiler = None
 
 
 def allocator_calls(device: torch.device) -> dict[str, int]:
@@ -271,7 +305,8 @@ def bench_workload(args, save: Callable[[dict], None]) -> list[dict]:
     rows = []
     for method in tqdm(method_list(args.methods, args.budgets, args.ed_budgets), desc="workload", leave=False):
         batch = [(prompt, sampling(method, n, args.evict_every)) for prompt, n in requests]
-        rows.append(record(context, "workload", method, None, None, measure(llm, batch, static=False)))
+        rows.append(record(context, "workload", method, None, None,
+                           measure(llm, batch, static=False, profile_steps=args.profile_steps)))
         rows[-1].update(copy_gb_per_s=bandwidth / 1e9,
                         roofline_ms_per_step=1e3 * decode_bytes(llm, rows[-1]) / bandwidth)
         save(rows[-1])
@@ -280,6 +315,11 @@ def bench_workload(args, save: Callable[[dict], None]) -> list[dict]:
           f"KV pool {context['kv_pool_gb']:.2f} GB; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     print_table(rows, WORKLOAD_COLUMNS)
     print_phases(rows)
+    for r in rows:
+        if r["profile"]:
+            first, last = args.profile_steps
+            print(f"\n{method_label(r['method'], r['budget'])}: steps {first} to {last - 1} under torch.profiler, "
+                  f"the ops by the host's own time\n{r['profile']}")
     return rows
 
 

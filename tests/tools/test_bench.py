@@ -7,6 +7,7 @@ import math
 import sys
 
 import pytest
+import torch
 
 import bench
 from nanokv import LLM
@@ -186,6 +187,29 @@ def test_a_batch_that_cannot_fit_is_oom_not_a_crash(tiny_dir):
     assert not llm.has_unfinished() and llm.blocks.num_free == llm.blocks.num_blocks   # all given back
     run = throughput.measure(llm, throughput.same_shape(2, 48, 4, method, 16, 300), static=True)
     assert run["fits"] and run["output_tokens"] == 8   # the engine is as good as new
+
+
+def test_a_continuous_run_profiles_the_steps_asked_for(tiny_dir, monkeypatch):
+    """The profiler runs over exactly steps first to last - 1 (or to the run's end, the last step
+    that only reads tokens too) and its table of ops comes in the record; off a GPU there are no
+    allocator calls to count."""
+    args = bench.parse_args(["--model", str(tiny_dir), *TOY])
+    llm = throughput.make_llm(args, 64, max_num_seqs=4)
+    profiled, step = [], llm.step
+
+    def watched():   # whether the profiler ran during each step
+        outputs = step()
+        profiled.append(torch.autograd.profiler._is_profiler_enabled)
+        return outputs
+    monkeypatch.setattr(llm, "step", watched)
+    requests = throughput.same_shape(2, 40, 8, throughput.Method("batchmax", 32), 16, 300)
+    for first, last in ((2, 4), (2, 10_000)):
+        profiled.clear()
+        run = throughput.measure(llm, requests, static=False, profile_steps=(first, last))
+        assert [i for i, on in enumerate(profiled) if on] == list(range(first, min(last, len(profiled))))
+        assert "Self CPU" in run["profile"] and "aten::" in run["profile"]
+    assert run["cuda_mallocs"] is run["alloc_retries"] is run["pinned_mallocs"] is None
+    assert throughput.measure(llm, requests, static=False)["profile"] is None
 
 
 def test_sweep_writes_one_record_per_run(tiny_dir, tmp_path):
