@@ -222,10 +222,10 @@ def test_a_run_that_takes_stats_at_every_step_waits_only_for_its_tokens(tiny_dir
             waits.append(stack[-6:])
     params = [SamplingParams(max_tokens=40, ignore_eos=True, kv_method=method, kv_budget=64, evict_every=16)
               for method in ("batchmax", "kvcompress")]
-    llm.generate(preemption_prompts(), params[0])   # the decode graphs captured (that waits) before
-    for prompt in preemption_prompts():
-        for p in params:
-            llm.add_request(prompt, p)
+    prompts, params = [prompt for prompt in preemption_prompts() for _ in params], params * 6
+    llm.generate(prompts, params)   # the decode graphs captured, the kernels compiled (those wait) before
+    for prompt, p in zip(prompts, params):
+        llm.add_request(prompt, p)
     with llm.timing(synchronize=False), device_waits(waited):
         while llm.has_unfinished():
             llm.step()
