@@ -194,8 +194,9 @@ class _NotYet:
 @pytest.mark.parametrize("method", ["batchmax", "kvcompress"])
 def test_engine_stats_take_the_eviction_counts_from_a_copy_on_its_way(tiny_dir, monkeypatch, method):
     """stats() (which the server's engine thread, chat.py and bench.py's continuous runs take at
-    every step) never reads the device's counters: it reports the copy of them made behind the last eviction, once that has
-    landed, and what had landed before until then. Copies here are clones that land when told."""
+    every step) never reads the device's counters: it reports the copy of them made behind the
+    last eviction once that has landed, and what had landed before until then. Copies here are
+    clones that land when told."""
     landed = []
     monkeypatch.setattr(kernels, "to_host", lambda tensors: (tuple(t.clone() for t in tensors), _NotYet(landed)))
     llm = engine(tiny_dir, True)
@@ -220,9 +221,9 @@ def test_a_run_that_takes_stats_at_every_step_waits_only_for_its_tokens(tiny_dir
         stack = traceback.extract_stack()
         if not any(frame.name == "read" and frame.filename.endswith("sampler.py") for frame in stack):
             waits.append(stack[-6:])
-    params = [SamplingParams(max_tokens=40, ignore_eos=True, kv_method=method, kv_budget=64, evict_every=16)
-              for method in ("batchmax", "kvcompress")]
-    prompts, params = [prompt for prompt in preemption_prompts() for _ in params], params * 6
+    methods = [SamplingParams(max_tokens=40, ignore_eos=True, kv_method=method, kv_budget=64, evict_every=16)
+               for method in ("batchmax", "kvcompress")]
+    prompts, params = [prompt for prompt in preemption_prompts() for _ in methods], methods * 6
     llm.generate(prompts, params)   # the decode graphs captured, the kernels compiled (those wait) before
     for prompt, p in zip(prompts, params):
         llm.add_request(prompt, p)
