@@ -40,11 +40,15 @@ def method_list(names: list[str], budgets: list[int], ed_budgets: list[int]) -> 
     return [Method(name, budget) for name in names for budget in budgets_of(name)]
 
 
+def random_prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(n)]
+
+
 def same_shape(n: int, input_len: int, output_len: int, method: Method, evict_every: int, vocab: int):
     """n requests of one shape with random prompts (seed 0: every method reads the same ones)."""
-    rng = random.Random(0)
     params = sampling(method, output_len, evict_every)
-    return [([rng.randrange(vocab) for _ in range(input_len)], params) for _ in range(n)]
+    return [(prompt, params) for prompt in random_prompts(n, input_len, vocab)]
 
 
 def workload(n: int = 256, seed: int = 0, vocab: int = 10000) -> list[tuple[list[int], int]]:
@@ -74,13 +78,15 @@ def make_llm(args, max_model_len: int, **options) -> LLM:
     return LLM(model, **options)
 
 
-def warm_up(llm, input_len: int, args) -> None:
-    """One request with a full cache and one that evicts: compiles the kernels (GPU) and
-    touches every code path once, so the first measured run is not also a warm-up."""
-    budget = min(args.budgets)
-    prompt = [1] * min(input_len, budget + 2 * args.evict_every)   # long enough to evict twice
-    llm.generate([prompt] * 2, [sampling(Method("full", None), 2, args.evict_every),
-                                sampling(Method("batchmax", budget), 2, args.evict_every)])
+WARM_UP_REQUESTS = 32   # of the workload's shape, each method's warm-up: long and short prompts, mixed prefills
+
+
+def warm_up(llm, methods: list[Method], prompts: list[list[int]], args) -> None:
+    """Each method once on `prompts` (the shapes its measured runs read), p + 2 tokens each so
+    that an evicting method also evicts while decoding: compiles the kernels each method and
+    shape calls for (GPU) and touches their code paths, so no measured run pays for a first call."""
+    for method in methods:
+        llm.generate(prompts, sampling(method, args.evict_every + 2, args.evict_every))
 
 
 # ----- one run ---------------------------------------------------------------------------
@@ -260,7 +266,7 @@ def bench_paper(args, save: Callable[[dict], None]) -> list[dict]:
     methods = method_list(args.methods, args.budgets, args.ed_budgets)
     llm = make_llm(args, inp + out, max_num_seqs=args.max_batch, max_num_batched_tokens=args.max_batch * inp)
     context, vocab = run_context(args, llm), llm.model_config.vocab_size
-    warm_up(llm, inp, args)
+    warm_up(llm, methods, random_prompts(2, inp, vocab, seed=1), args)
     records, rows = [], []
     for method in tqdm(methods, desc="largest static batch of each method", leave=False):
         runs, best = static_search(llm, method, args, context, save)
@@ -282,7 +288,7 @@ def bench_paper(args, save: Callable[[dict], None]) -> list[dict]:
     n = args.num_requests or 4 * max(row["largest"] for row in rows)
     methods += [Method("decode_only", b) for b in args.budgets if Method("decode_only", b) not in methods]
     llm = make_llm(args, inp + out, max_num_seqs=n)
-    warm_up(llm, inp, args)
+    warm_up(llm, methods, random_prompts(2, inp, vocab, seed=1), args)
     rows = []
     for method in tqdm(methods, desc="continuous", leave=False):
         rows.append(record(context, "continuous", method, inp, out,
@@ -299,11 +305,13 @@ def bench_workload(args, save: Callable[[dict], None]) -> list[dict]:
     its memory roofline: weights + the KV it reads, over a measured copy bandwidth."""
     llm = make_llm(args, 2048)
     context = run_context(args, llm)
-    warm_up(llm, 512, args)
     bandwidth = copy_bandwidth(llm.device)
-    requests = workload(args.num_requests, seed=0, vocab=llm.model_config.vocab_size)
+    vocab = llm.model_config.vocab_size
+    requests = workload(args.num_requests, seed=0, vocab=vocab)
+    methods = method_list(args.methods, args.budgets, args.ed_budgets)
+    warm_up(llm, methods, [prompt for prompt, _ in workload(WARM_UP_REQUESTS, seed=1, vocab=vocab)], args)
     rows = []
-    for method in tqdm(method_list(args.methods, args.budgets, args.ed_budgets), desc="workload", leave=False):
+    for method in tqdm(methods, desc="workload", leave=False):
         batch = [(prompt, sampling(method, n, args.evict_every)) for prompt, n in requests]
         rows.append(record(context, "workload", method, None, None,
                            measure(llm, batch, static=False, profile_steps=args.profile_steps)))
@@ -358,8 +366,9 @@ def bench_sweep(args, save: Callable[[dict], None]) -> list[dict]:
     llm = make_llm(args, max(lens) + out, max_num_seqs=max(args.batches),
                    max_num_batched_tokens=max(args.batches) * max(lens))
     context, vocab = run_context(args, llm), llm.model_config.vocab_size
-    warm_up(llm, max(lens), args)
-    grid = list(itertools.product(method_list(args.methods, args.budgets, args.ed_budgets), lens, args.batches))
+    methods = method_list(args.methods, args.budgets, args.ed_budgets)
+    warm_up(llm, methods, [p for inp in lens for p in random_prompts(1, inp, vocab, seed=1)], args)
+    grid = list(itertools.product(methods, lens, args.batches))
     records = []
     for method, inp, b in tqdm(grid, desc="sweep", leave=False):
         run = measure(llm, same_shape(b, inp, out, method, args.evict_every, vocab), static=True)

@@ -301,3 +301,27 @@ def test_offload_mode_swaps_where_the_tier_is_on(capsys):
         assert row["offloaded_blocks"] > 0 and row["positions_recomputed"] == 0 and row["copied_gb"] > 0
         assert row["output_tokens"] == swap["output_tokens"]
     assert "GB copied" in capsys.readouterr().out
+
+
+def test_the_warm_up_runs_every_method_until_it_has_evicted_while_decoding(tiny_dir, monkeypatch):
+    """On a GPU each method's first call at a shape compiles its kernels: the warm-up makes
+    that call for every method measured, on the prompts given, past the prompt's eviction
+    into one while decoding."""
+    args = bench.parse_args(["--model", str(tiny_dir), *TOY])
+    llm = throughput.make_llm(args, 128, max_num_seqs=4)
+    methods = throughput.method_list(["full", "batchmax", "kvcompress"], [32], [])
+    runs, generate = [], llm.generate
+
+    def watched(prompts, params):   # each run's evicted pairs and tokens
+        before = llm.stats().pairs_evicted
+        outputs = generate(prompts, params)
+        runs.append((params.kv_method, llm.stats().pairs_evicted - before, len(outputs[0].token_ids)))
+        return outputs
+    monkeypatch.setattr(llm, "generate", watched)
+    prompts = throughput.random_prompts(2, 48, 300)
+    throughput.warm_up(llm, methods, prompts, args)
+    llm.generate(prompts, throughput.sampling(methods[1], 1, 16))
+    prompt_only = runs.pop()[1]   # what reading the prompt evicts
+    assert prompt_only > 0
+    assert [(name, evicted > prompt_only if name != "full" else evicted == 0, tokens)
+            for name, evicted, tokens in runs] == [("full", True, 18), ("batchmax", True, 18), ("kvcompress", True, 18)]
