@@ -7,8 +7,10 @@ Each step fills a token budget: first the running sequences (one token per
 decoding sequence, or the next chunk of an unfinished prompt), then newly
 admitted prompts. Admission reserves blocks for what a sequence can hold at
 its peak: its prompt with a full cache, only its budget |kv| when it evicts
-as it reads the prompt (nanokv/eviction/). When a sequence needs a block
-and none is free, the most recently admitted sequence is preempted: its
+as it reads the prompt (nanokv/eviction/). A decoding sequence that evicts
+together evicts early in a step where another of its method must (KVMethod.cohort):
+each step of evictions costs the same launches, so the fewer the better. When a
+sequence needs a block and none is free, the most recently admitted sequence is preempted: its
 blocks are freed and it goes back to the front of the waiting queue. With a
 host tier (preemption_mode "swap", or "auto" where moving its blocks is quicker
 than recomputing its tokens: offload_costs.py), its blocks are first copied
@@ -103,11 +105,12 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         running = Status.RUNNING   # an enum's member is slow to look up
+        evicting = self._evicting_cohorts()
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is running:   # not preempted earlier in this loop
-                budget -= self._plan(seq, budget, batch)
+                budget -= self._plan(seq, budget, batch, seq.method.together and seq.method.cohort in evicting)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             # preempted in this step, or with a token still pending (its tokens are not all known)
@@ -126,6 +129,15 @@ class Scheduler:
         self.host_copies[0] += len(batch.saves)
         self.host_copies[1] += len(batch.loads)
         return batch
+
+    def _evicting_cohorts(self) -> set[tuple]:
+        """The cohorts (KVMethod.cohort) of which a decoding sequence must evict before its next
+        step, when some sequence would join them (evict_together). Not a prompt's evictions: one
+        read in chunks evicts at every chunk, and those joining would evict at every step."""
+        if not any(seq.method.together for seq in self.running):
+            return set()
+        return {seq.method.cohort for seq in self.running
+                if seq.num_computed_tokens >= seq.num_prompt_tokens and seq.method.schedule.evict_count(seq)}
 
     def _room_for(self, seq: Sequence, budget: int) -> tuple[list[Hit], int] | None:
         """The cached blocks seq starts with and the number of blocks to allocate for it; None
@@ -190,15 +202,16 @@ class Scheduler:
         seq.num_computed_tokens = seq.num_kv_slots = len(hits) * self.blocks.block_size
         seq.num_cached_tokens = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
 
-    def _step_room(self, seq: Sequence, budget: int, held: int | None = None) -> tuple[int, int, int, int, int]:
+    def _step_room(self, seq: Sequence, budget: int, held: int | None = None,
+                   joining: bool = False) -> tuple[int, int, int, int, int]:
         """What seq's next step of at most budget tokens takes, holding `held` blocks (None: its
-        block table's): the one count admission and planning share. (evict, slots, n, kept,
-        room): the eviction before it, the slots left after that, the tokens it runs, the
-        blocks it keeps after an eviction and the slots it needs blocks for. A plain tuple: this
-        runs for every sequence at every step, where building a NamedTuple costs about as much
-        as the count itself."""
+        block table's), joining others' eviction or not: the one count admission and planning
+        share. (evict, slots, n, kept, room): the eviction before it, the slots left after that,
+        the tokens it runs, the blocks it keeps after an eviction and the slots it needs blocks
+        for. A plain tuple: this runs for every sequence at every step, where building a
+        NamedTuple costs about as much as the count itself."""
         schedule = seq.method.schedule
-        evict = schedule.evict_count(seq)
+        evict = schedule.evict_count(seq) or (schedule.early_count(seq) if joining else 0)
         slots = seq.num_kv_slots - evict
         n = min(budget, schedule.max_chunk(seq, slots))
         room = slots + n
@@ -214,12 +227,12 @@ class Scheduler:
                                  self.config.max_model_len))
         return evict, slots, n, kept, room
 
-    def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
-        """Put seq's next chunk (and the eviction before it) in the batch; returns its
-        length, 0 if seq had to be preempted for lack of blocks or its pending token is its last."""
+    def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch, joining: bool = False) -> int:
+        """Put seq's next chunk (and the eviction before it, or one it joins) in the batch; returns
+        its length, 0 if seq had to be preempted for lack of blocks or its pending token is its last."""
         if seq.num_tokens > seq.max_slots:   # max_tokens or max_model_len reached: its pending token is its last
             return 0
-        evict, slots, n, kept, room = self._step_room(seq, budget)
+        evict, slots, n, kept, room = self._step_room(seq, budget, joining=joining)
         if not self._make_room(seq, room, batch):
             return 0
         if evict:

@@ -2,6 +2,8 @@
 (which pairs), with the sinks and recent pairs every ranking protects."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from nanokv.eviction.rankings import HeldPairs, Ranking
@@ -14,12 +16,13 @@ class KVMethod:
     """One request's method. With no arguments, the full cache: it never evicts."""
 
     def __init__(self, schedule: Schedule | None = None, ranking: Ranking | None = None,
-                 sinks: int = 0, recent: int = 0, name: str = "full"):
+                 sinks: int = 0, recent: int = 0, name: str = "full", together: bool = False):
         # The full cache never evicts, so it never writes into its blocks after filling them: it
         # may share them with other sequences through the prefix cache (others take a private copy).
         self.shares_blocks = ranking is None
         self.schedule, self.ranking = schedule or Schedule(), ranking or Ranking()
         self.sinks, self.recent, self.name = sinks, recent, name
+        self.together = together   # evicts early with others of its cohort (EvictionSettings.evict_together)
         self.needs_scores, self.squares_scores = self.ranking.needs_scores, self.ranking.squares_scores
         self.score_skip, self.uneven = self.ranking.skip, self.ranking.uneven
 
@@ -27,6 +30,12 @@ class KVMethod:
     def rule(self) -> tuple:
         """What decides which pairs go: sequences with the same rule are ranked together."""
         return (self.name, self.sinks, self.recent, *self.ranking.settings)
+
+    @functools.cached_property   # read at every step
+    def cohort(self) -> tuple:
+        """Sequences that evict alike, the same rule under the same schedule: one that evicts
+        together joins the others' evictions."""
+        return (*self.rule, self.schedule.name, self.schedule.budget, self.schedule.evict_every)
 
     @property
     def windowed(self) -> bool:

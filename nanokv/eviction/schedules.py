@@ -33,6 +33,11 @@ class Schedule:
         """KV pairs per head to drop before seq's next chunk."""
         return 0
 
+    def early_count(self, seq: Progress) -> int:
+        """KV pairs per head seq may drop now, before it must, to evict in the same step as
+        others (EvictionSettings.evict_together)."""
+        return 0
+
     def max_chunk(self, seq: Progress, slots: int) -> int:
         """The most tokens seq's next chunk may process, holding `slots` pairs after eviction."""
         return seq.num_uncomputed_tokens
@@ -60,6 +65,11 @@ class Prefill(Schedule):
 
     def evict_count(self, seq):
         return self.evict_every if seq.num_kv_slots >= self.budget else 0
+
+    def early_count(self, seq):
+        """Decoding, down to what an eviction leaves: the next one then comes p tokens on, in
+        step with those it joined. A prompt's chunks already end where it must evict."""
+        return 0 if in_prompt(seq) else max(seq.num_kv_slots - (self.budget - self.evict_every), 0)
 
     def max_chunk(self, seq, slots):
         return min(seq.num_uncomputed_tokens, self.budget - slots)
@@ -119,6 +129,8 @@ class Once(PromptFirst):
     the tokens it will feed."""
     name = "once"
 
+    early_count = Schedule.early_count   # it evicts once, when the prompt ends
+
     def evict_count(self, seq):
         return max(seq.num_kv_slots - self.budget, 0) if prompt_just_ended(seq) else 0
 
@@ -148,6 +160,7 @@ class ExtremeDecoding(PromptFirst):
     eviction (evicts_eagerly)."""
     name = "ed"
     evicts_eagerly = True
+    early_count = Schedule.early_count   # its evictions keep one pair: none joins another's
 
     def evict_count(self, seq):
         if not in_prompt(seq) and (prompt_just_ended(seq) or seq.num_kv_slots >= self.budget):

@@ -34,6 +34,10 @@ class EvictionSettings:
     kv_score_all: bool | None = None    # kvcompress: KVC-full, every query but the kv_window nearest; None: False
     kv_press: object | None = None      # a kvpress ScorerPress: the ranking, kv_method None (eviction/press.py);
                                         # or {"name": its class name, "args": {...}}, as JSON gives it
+    evict_together: bool | None = None  # while decoding, evict early (down to |kv| - p) in a step where another
+                                        # request of the same method evicts: fewer eviction steps, each a fixed
+                                        # number of launches, but its evictions depend on the other requests.
+                                        # None: False
 
     def check_eviction_settings(self) -> None:
         """Each setting on its own: a TypeError or ValueError naming the first bad one."""
@@ -46,6 +50,7 @@ class EvictionSettings:
         check_int("kv_window", self.kv_window, 1, optional=True)
         check_int("kv_pool", self.kv_pool, 1, optional=True)
         check_bool("kv_score_all", self.kv_score_all, optional=True)
+        check_bool("evict_together", self.evict_together, optional=True)
         if isinstance(self.kv_press, dict):   # as JSON gives it
             self.kv_press = press_by_name(self.kv_press)
         if self.kv_press is not None:
@@ -55,7 +60,7 @@ class EvictionSettings:
 # The settings only some rankings take (any other refuses them), and those no full cache or ed takes.
 OWNERS = {"kv_window": ("snapkv", "kvcompress"), "kv_pool": ("snapkv",), "kv_score_all": ("kvcompress",),
           "kv_press": ("press",)}
-EVICTION_ONLY = ("kv_schedule", "kv_sinks", "kv_recent", *OWNERS)
+EVICTION_ONLY = ("kv_schedule", "kv_sinks", "kv_recent", "evict_together", *OWNERS)
 
 
 def applies(setting: str, method: str) -> bool:
@@ -89,17 +94,18 @@ def method_for(request: EvictionSettings, engine: EvictionSettings, block_size: 
     return make_method(setting("kv_method"), setting("kv_schedule"), setting("kv_budget"), setting("evict_every"),
                        block_size, sinks=setting("kv_sinks"), recent=setting("kv_recent"),
                        window=setting("kv_window"), pool=setting("kv_pool"), score_all=setting("kv_score_all"),
-                       press=setting("kv_press"), press_window=press_window)
+                       press=setting("kv_press"), press_window=press_window, together=setting("evict_together"))
 
 
 def make_method(name: str | None, schedule: str | None, budget: int | None, evict_every: int | None,
                 block_size: int, *, sinks: int | None = None, recent: int | None = None, window: int | None = None,
-                pool: int | None = None, score_all: bool | None = None, press=None, press_window: int = 0) -> KVMethod:
+                pool: int | None = None, score_all: bool | None = None, press=None, press_window: int = 0,
+                together: bool | None = None) -> KVMethod:
     """The method of settings each already checked on its own, or a ValueError naming what is
     wrong with their combination. No name: the full cache, or with a budget the recommended
     method (below). None for budget and evict_every: DEFAULT_BUDGET and DEFAULT_EVERY; for
-    schedule, sinks, recent, window, pool or score_all: the ranking's default. A press (checked
-    on its own) is the ranking: no name."""
+    schedule, sinks, recent, window, pool or score_all: the ranking's default; together: False (full
+    and ed ignore it: they join no one). A press (checked on its own) is the ranking: no name."""
     evict_every = DEFAULT_EVERY if evict_every is None else evict_every
     if press is not None:
         if name is not None:
@@ -156,7 +162,7 @@ def make_method(name: str | None, schedule: str | None, budget: int | None, evic
     if sinks + recent > room:
         raise ValueError(f"kv_sinks + kv_recent = {sinks} + {recent} leaves {name} nothing to evict under the "
                          f"{schedule} schedule: it must be {limit}")
-    return KVMethod(SCHEDULES[schedule](budget, evict_every), ranking, sinks, recent, name)
+    return KVMethod(SCHEDULES[schedule](budget, evict_every), ranking, sinks, recent, name, together=bool(together))
 
 
 def _windowed(name: str, budget: int, window: int | None, pool: int | None, score_all: bool | None) -> Ranking:

@@ -77,22 +77,24 @@ def parts() -> list[Part]:
     """The report's parts, in order; their limits add up to 8 minutes 55 s. On an H200 (2026-11-27,
     docs/PERF.md) with 4 pytest workers the gpu-marked tests took 54 s, the kernel tests 57, the
     kernel benchmarks 28 (before they profiled a second decode step), paper mode 54, workload
-    mode 76, host mode 41, offload mode 36 and memcheck 51 on a fresh machine (Triton compiling
-    under the sanitizer)."""
+    mode 76 (three methods, before each was warmed up), host mode 41, offload mode 36 and
+    memcheck 51 on a fresh machine (Triton compiling under the sanitizer); in the seventh run the
+    kernel tests took 47 s and memcheck 39."""
     pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
     if importlib.util.find_spec("xdist"):   # the lent machines have it: a file per worker, compiling in parallel
         pytest += ["-n", "4", "--dist", "loadfile"]
     return [
         Part("gpu-marked tests", [*pytest, "-m", "gpu", *gpu_test_files()], 75, figures=gpu_targets.tests),
-        Part("kernel tests, compiled on the GPU", [*pytest, "-m", "not gpu", *KERNEL_TESTS], 75,
+        Part("kernel tests, compiled on the GPU", [*pytest, "-m", "not gpu", *KERNEL_TESTS], 65,
              figures=gpu_targets.tests),
         Part("kernel benchmarks", ["-m", "nanokv.tools.kernel_bench", "--quick"], 45, figures=gpu_targets.kernels,
              records=True),
         Part("paper mode at the paper's setting: Llama-3.1-8B shape (random weights), input 3584, output 512, "
              "4 GB of KV", ["bench.py", "--preset", "gpu-paper"], 70, figures=gpu_targets.paper, records=True),
-        Part("workload mode, Qwen3-0.6B shape (random weights): uniform and uneven eviction",
+        Part("workload mode, Qwen3-0.6B shape (random weights): uniform and uneven eviction, alone and together",
              ["bench.py", "--mode", "workload", "--random-weights", "qwen3-0.6b", "--methods", "full", "batchmax",
-              "kvcompress", "--budgets", "512"], 100, figures=gpu_targets.workload, records=True),
+              "kvcompress", "kvcompress,together=1", "--budgets", "512"], 120, figures=gpu_targets.workload,
+             records=True),
         Part("host mode, Qwen3-0.6B shape: the engine's own time per decode step against the forward, "
              "decodes replayed from CUDA graphs",
              ["bench.py", "--mode", "host", "--random-weights", "qwen3-0.6b", "--batches", "1", "256",
@@ -103,7 +105,7 @@ def parts() -> list[Part]:
              ["bench.py", "--mode", "offload", "--random-weights", "qwen3-0.6b", "--methods", "full",
               "--num-requests", "8", "--output-len", "128"], 45, figures=gpu_targets.offload, records=True),
         Part("compute-sanitizer memcheck: a short graphed run, scored steps, fp8 cache",
-             ["-c", "from nanokv.tools.gpu_report import short_run; short_run()"], 70,
+             ["-c", "from nanokv.tools.gpu_report import short_run; short_run()"], 60,
              launcher=[SANITIZER, "--tool", "memcheck", "--error-exitcode", "1"], figures=gpu_targets.memcheck),
     ]
 

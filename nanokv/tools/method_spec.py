@@ -8,13 +8,15 @@ import json
 from nanokv.eviction import METHODS, RANKINGS, SCHEDULES, EvictionSettings
 
 SPEC_KEYS = {"sinks": "kv_sinks", "recent": "kv_recent", "window": "kv_window", "pool": "kv_pool",
-             "every": "evict_every", "all": "kv_score_all"}
+             "every": "evict_every", "all": "kv_score_all", "together": "evict_together"}
+FLAGS = ("all", "together")   # 0 or 1
 
 
 def parse_spec(spec: str) -> dict:
     """SamplingParams fields from a method written on one line, as the benchmarks take it:
     RANKING[@SCHEDULE][,KEY=INT...] with KEY one of sinks, recent, window, pool, every (p), all
-    (kv_score_all: 0 or 1); e.g. "snapkv@prefill,window=16,sinks=4", "kvcompress,all=1".
+    (kv_score_all: 0 or 1), together (evict_together: 0 or 1); e.g. "snapkv@prefill,window=16,sinks=4",
+    "kvcompress,all=1".
     Settings not written take the defaults. A RANKING ending in "Press" is a kvpress ScorerPress
     (kv_press), the other KEYs its fields, each VALUE as JSON or else text: "LagKVPress@prefill,lag_size=8"."""
     name, *pairs = spec.split(",")
@@ -33,10 +35,10 @@ def parse_spec(spec: str) -> dict:
         if press and key not in SPEC_KEYS and key.isidentifier() and value:
             fields["kv_press"]["args"][key] = _json_or_text(value)
             continue
-        if key not in SPEC_KEYS or not value.isdigit() or (key == "all" and value not in ("0", "1")):
+        if key not in SPEC_KEYS or not value.isdigit() or (key in FLAGS and value not in ("0", "1")):
             raise ValueError(f"bad setting {pair!r} in {spec!r}: write KEY=INTEGER with KEY one of "
-                             f"{', '.join(SPEC_KEYS)} (all: 0 or 1)")
-        fields[SPEC_KEYS[key]] = value == "1" if key == "all" else int(value)
+                             f"{', '.join(SPEC_KEYS)} ({' and '.join(FLAGS)}: 0 or 1)")
+        fields[SPEC_KEYS[key]] = value == "1" if key in FLAGS else int(value)
     return fields
 
 
