@@ -78,7 +78,7 @@ def make_llm(args, max_model_len: int, **options) -> LLM:
     return LLM(model, **options)
 
 
-WARM_UP_REQUESTS = 32   # of the workload's shape, each method's warm-up: long and short prompts, mixed prefills
+WARM_UP_REQUESTS = 32   # the most of the workload's shape each method's warm-up runs: long and short prompts together
 
 
 def warm_up(llm, methods: list[Method], prompts: list[list[int]], args) -> None:
@@ -309,7 +309,8 @@ def bench_workload(args, save: Callable[[dict], None]) -> list[dict]:
     vocab = llm.model_config.vocab_size
     requests = workload(args.num_requests, seed=0, vocab=vocab)
     methods = method_list(args.methods, args.budgets, args.ed_budgets)
-    warm_up(llm, methods, [prompt for prompt, _ in workload(WARM_UP_REQUESTS, seed=1, vocab=vocab)], args)
+    warm = workload(min(WARM_UP_REQUESTS, args.num_requests), seed=1, vocab=vocab)   # other prompts, the same shape
+    warm_up(llm, methods, [prompt for prompt, _ in warm], args)
     rows = []
     for method in tqdm(methods, desc="workload", leave=False):
         batch = [(prompt, sampling(method, n, args.evict_every)) for prompt, n in requests]
