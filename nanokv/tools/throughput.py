@@ -41,6 +41,7 @@ def method_list(names: list[str], budgets: list[int], ed_budgets: list[int]) -> 
 
 
 def random_prompts(n: int, input_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of input_len token ids below vocab, the same for the same seed."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(n)]
 

@@ -42,7 +42,7 @@ def test_requests_that_evict_together_join_each_others_evictions_and_stay_in_ste
     together, outputs = evictions_by_step(llm, prompts, [params(True)] * 3 + [params(False)])
     assert all(len(o.token_ids) == 60 for o in outputs)
     *joiners, loner = sorted({i for step in together for i in step})   # the last request does not join
-    # Alone, each evicts p pairs when it holds |kv|: 4 requests, 4 steps apart.
+    # Alone, each evicts p pairs when it holds |kv|, in steps of its own.
     assert len({i for step in alone for i in step}) == 4 and all(len(step) == 1 for step in alone)
     assert all(counts == (BUDGET, EVERY) for step in alone for counts in step.values())
     # Together, a joiner evicts whenever another evicts, down to what an eviction leaves: never
