@@ -30,7 +30,7 @@ from nanokv.config import EngineConfig
 from nanokv.engine.timing import PHASES
 from nanokv.tools.flags import engine_options
 from nanokv.tools.method_spec import parse_spec
-from nanokv.tools.throughput import run_context
+from nanokv.tools.throughput import random_prompts, run_context
 
 DEFAULT_SHAPE = "tiny"
 REPEATS = 3   # --constrained: each run's fastest
@@ -47,9 +47,7 @@ def host_run(llm: LLM, batch: int, method: str, args) -> dict:
     (milliseconds per decode step of each), then untimed through generate() with overlap_steps
     on and off, and through step() as a server streams: per step (prefill steps too), the wall
     time the forward passes do not account for, what a device waits for."""
-    rng = random.Random(0)
-    vocab = llm.model_config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(batch)]
+    prompts = random_prompts(batch, args.input_len, llm.model_config.vocab_size)
     eviction = {} if method == "full" else dict(kv_budget=args.budgets[0], evict_every=args.evict_every)
 
     def sampling(max_tokens: int) -> SamplingParams:

@@ -8,8 +8,9 @@ Decode (bf16 cache at batch 1, 16 and 64, contexts 1k and 4k; int8 at batch 16 a
 the split count (the rule's, then 1, 2, 3, 4, 6 and powers of two to 64; over 1k, splits
 shorter than MIN_SPLIT too), then key tile x warps x pipeline stages.
 Prefill (a 64-token chunk over 1k and 4k, a full 4k prefill): the split count (the rule's, then
-powers of two; over 1k, shorter splits too), then query tile x key tile x warps x stages. Each variant's output is checked against the shipped launch's before it is
-timed (kernel_bench.ms: graph replays); a variant that does not compile (shared memory) is
+powers of two; over 1k, shorter splits too), then query tile x key tile x warps x stages. Each
+variant's output is checked against the shipped launch's before it is timed (kernel_bench.ms:
+graph replays); a variant that does not compile (shared memory) is
 listed as such. Lines print, and append to --out, as they are measured, so a run cut short
 keeps what it has; past --budget-s no new group starts.
 """
