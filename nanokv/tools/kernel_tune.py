@@ -8,7 +8,8 @@ Decode (bf16 cache at batch 1, 16 and 64, contexts 1k and 4k; int8 at batch 16 a
 the split count (the rule's, then 1, 2, 3, 4, 6 and powers of two to 64; over 1k, splits
 shorter than MIN_SPLIT too), then key tile x warps x pipeline stages.
 Prefill (a 64-token chunk over 1k and 4k, a full 4k prefill): the split count (the rule's, then
-powers of two; over 1k, shorter splits too), then query tile x key tile x warps x stages. Each
+powers of two; over 1k, shorter splits too), then query tile x key tile x warps x stages.
+Chunk (the 64-token chunk over 1k and 4k): query tile x key tile x split count together. Each
 variant's output is checked against the shipped launch's before it is timed (kernel_bench.ms:
 graph replays); a variant that does not compile (shared memory) is
 listed as such. Lines print, and append to --out, as they are measured, so a run cut short
@@ -137,7 +138,23 @@ def prefill_groups():
                 f"BLOCK_M {block_m} BLOCK_N {block_n} warps {warps} stages {stages}", variant, reference
 
 
-GROUPS = {"decode": decode_groups, "prefill": prefill_groups}
+def chunk_groups():
+    """A 64-token chunk over 1k and 4k (block-wise prefill): query tile x key tile x split count
+    together. The prefill groups above vary one at a time around the rule's choice; a tile of
+    fewer query rows makes more programs, so it may want fewer splits (none: no merge launch)."""
+    for ctx in (1024, 4096):
+        run = prefill_case(64, ctx)
+        reference = run(prefill_num_splits(1, 64, HKV, HQ // HKV, torch.bfloat16, ctx, torch.device("cuda")))
+        for block_m, block_n, splits in itertools.product((32, 64, 128), (32, 64), (1, 2, 4, 8)):
+            def variant(run=run, block_m=block_m, block_n=block_n, splits=splits):
+                tiles = (block_m, block_n, 8 if block_m >= 128 else 4)
+                with mock.patch.object(prefill, "prefill_tiles", lambda *a: tiles):
+                    return run(splits)
+            yield "chunk tiles x splits", f"chunk 64 ctx {ctx}", \
+                f"BLOCK_M {block_m} BLOCK_N {block_n} splits {splits}", variant, reference
+
+
+GROUPS = {"decode": decode_groups, "prefill": prefill_groups, "chunk": chunk_groups}
 
 
 def main() -> None:
