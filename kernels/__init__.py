@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import functools
 import os
+from itertools import accumulate
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
@@ -109,6 +111,19 @@ def from_host(values, device: torch.device) -> torch.Tensor:
     copy from pageable memory synchronises with the stream, one from pinned memory does not."""
     tensor = torch.as_tensor(values)
     return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
+
+
+def from_host_many(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host arrays on device in one copy (from_host's): their bytes end to end, and each array
+    a view of what arrived, with its dtype and shape. Each starts at a multiple of 16 bytes, as
+    the allocator's tensors do: Triton compiles a kernel for pointers so aligned."""
+    starts = list(accumulate((-(-a.nbytes // 16) * 16 for a in arrays), initial=0))
+    packed = np.empty(max(starts[-1], 16), dtype=np.uint8)   # never empty: an empty tensor's stride is 0
+    for array, start in zip(arrays, starts):
+        packed[start:start + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    arrived = from_host(packed, device)
+    return [arrived[start:start + a.nbytes].view(torch.from_numpy(np.empty(0, a.dtype)).dtype).view(a.shape)
+            for a, start in zip(arrays, starts)]
 
 
 def to_host(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:

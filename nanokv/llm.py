@@ -98,8 +98,8 @@ class LLM:
             raise
         # A cached block's contents depend on the model and the cache's dtype.
         cache = PrefixCache(cfg.block_size, (str(path or model), str(kv_dtype))) if cfg.enable_prefix_caching else None
-        self.blocks = BlockManager(self.runner.num_pool_blocks, self.config.block_size, cache,
-                                   self.runner.host_cache.num_blocks)
+        self.blocks = BlockManager(self.runner.host_tier.num_pool_blocks, self.config.block_size, cache,
+                                   self.runner.host_tier.cache.num_blocks)
         swap_cost = None
         if cfg.preemption_mode == "auto":
             link, flops = self.runner.link_and_device   # a split model's ranks move and compute a part each
@@ -109,7 +109,7 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos_token_ids.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(self.config, self.blocks, eos_token_ids, swap_cost,
-                                   self.runner.staging_pages.shape[1])
+                                   self.runner.host_tier.staging_pages.shape[1])
         self.grammars = Grammars(self.tokenizer and self.tokenizer.to_json, self.model_config.vocab_size, eos_token_ids)
         self.requests: dict[int, _Request] = {}
         self._ids = count()
@@ -197,14 +197,14 @@ class LLM:
         """A snapshot of what the engine holds: requests, KV blocks, preemptions (and, inside
         timing(), where the steps' time went). Never waits for the device: a caller may take
         one at every step and the steps still overlap."""
-        sched, blocks, host = self.scheduler, self.blocks, self.runner.host_cache
+        sched, blocks, host = self.scheduler, self.blocks, self.runner.host_tier.cache
         return EngineStats(len(sched.running), len(sched.waiting), sum(seq.num_kv_slots for seq in sched.running),
                            blocks.num_free, blocks.num_blocks, blocks.block_size, self.runner.kv_cache.block_bytes,
                            sched.num_preemptions, copy.deepcopy(self._timings), sched.num_swaps,
                            host.num_blocks - blocks.num_host_free, len(blocks.host_reclaimable), host.num_blocks,
                            host.bytes_per_block(self.runner.kv_cache), *sched.host_copies, sched.host_hits,
                            sum(len(seq.offloaded) for seq in sched.running), sched.num_offloaded,
-                           self.runner.blocks_streamed, self.runner.positions_recomputed,
+                           self.runner.host_tier.blocks_streamed, self.runner.host_tier.positions_recomputed,
                            *self.runner.evictor.pair_totals(), self.runner.evictor.num_pieces)
 
     @contextlib.contextmanager

@@ -14,13 +14,14 @@ import numpy as np
 import torch
 
 import kernels
-from models import AttentionMetadata, Decoder, HostKVCache, HostStream, KVCache
+from models import AttentionMetadata, Decoder, KVCache
 from nanokv.config import EngineConfig
 from nanokv.engine import evict, memory
 from nanokv.engine.block_table import BlockTables
 from nanokv.engine.cuda_graphs import DecodeGraphs
 from nanokv.engine.head_pages import HeadTables
-from nanokv.engine.offload_costs import PositionCost, best_split, measure_link_and_device
+from nanokv.engine.host_tier import HostTier
+from nanokv.engine.offload_costs import measure_link_and_device
 from nanokv.engine.press_window import PressWindow
 from nanokv.engine.sampler import SampledTokens, Sampler, logprob_tensors
 from nanokv.engine.scheduler import ScheduledBatch
@@ -30,7 +31,6 @@ from nanokv.eviction import AverageAttention, KVMethod
 from nanokv.sampling_params import SamplingParams
 
 LOGPROB_SLICE = 512       # prompt rows turned into vocabulary logits at a time
-STAGING_SHARE = 0.25      # of the pool, at most, stages K/V decoded from the host tier
 
 
 def on_device(device: torch.device):
@@ -46,6 +46,7 @@ class StepInputs:
     positions: torch.Tensor = None
     meta: AttentionMetadata = None
     sample_rows: list[int] = field(default_factory=list)           # last row of chunks that end a sequence
+    sample_index: torch.Tensor | None = None                       # sample_rows (None: every row, in order)
     sampled_seqs: list[Sequence] = field(default_factory=list)
     logprob_rows: list[int] = field(default_factory=list)          # rows predicting a prompt token
     logprob_targets: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, prompt index)
@@ -72,7 +73,7 @@ class ModelRunner:
                                             self.profile_forward)
             num_blocks = model.shard.min(num_blocks, device)   # block ids are the same on every rank
             self.kv_cache = KVCache(model_config, num_blocks, config.block_size, kv_dtype, device)
-            self.host_cache = self._host_tier()
+            self.host_tier = HostTier(config, model, self.kv_cache, dtype, kv_dtype, self.link_and_device)
             self.head_tables = HeadTables(config.max_num_seqs, self.kv_cache)
             self.evictor = evict.Evictor(self.kv_cache, self.head_tables, self.press_window, model.shard)
             self.sampler = Sampler(device, config.seed)
@@ -95,42 +96,6 @@ class ModelRunner:
             measured = measure_link_and_device(self.device, self.dtype, model.hidden_size,
                                                2 * model.num_kv_heads * model.head_dim)
         return tuple(shard.from_rank_0(list(measured), self.device) if recomputes else measured)
-
-    def _host_tier(self) -> HostKVCache:
-        """This rank's part of the host tier of kv_offload_gb (the same number of blocks on every
-        rank, each holding its own KV heads), and for decoding from it the pool's staging blocks
-        (the last ones: their L pages each stage one offloaded block, in two halves, each
-        enough for every host block, 2/L of the tier, but at most STAGING_SHARE of the pool)
-        and the layer inputs of the first input_positions positions of every running sequence,
-        as many as KVPR's split may recompute at max_model_len (at most half of the tier)."""
-        config, model, bs, shard = self.config, self.model.config, self.block_size, self.model.shard
-        budget = int(config.kv_offload_gb * 1e9) // shard.size
-        self.split = lambda s: 0
-        if config.decode_from_host and config.partial_recompute:
-            cost = PositionCost.of(model, self.dtype, self.kv_dtype, self.kv_dtype in kernels.QUANT_MAX,
-                                   *self.link_and_device)
-            self.split = lambda s: best_split(s, cost)
-        per_position = config.max_num_seqs * model.num_layers * model.hidden_size * self.dtype.itemsize
-        self.input_positions = min(self.split(config.max_model_len), budget // 2 // per_position) // bs * bs
-        block_bytes = HostKVCache.bytes_per_block(self.kv_cache)
-        num_blocks = shard.min((budget - self.input_positions * per_position) // block_bytes, self.device)
-        if config.kv_offload_gb and not num_blocks:
-            raise ValueError(f"kv_offload_gb={config.kv_offload_gb} holds no KV block (one takes "
-                             f"{block_bytes} bytes): give more, or 0 for no host tier")
-        staging = 0
-        if config.decode_from_host:
-            staging = min(-(-2 * num_blocks // model.num_layers), int(self.kv_cache.num_blocks * STAGING_SHARE))
-        self.num_pool_blocks = self.kv_cache.num_blocks - staging
-        if self.num_pool_blocks * bs < config.max_model_len:
-            raise ValueError(f"decode_from_host stages in {staging} of the {self.kv_cache.num_blocks} KV blocks, "
-                             f"leaving too few for max_model_len={config.max_model_len}: give the pool more")
-        pages = self.kv_cache.pages(torch.arange(self.num_pool_blocks, self.kv_cache.num_blocks, device=self.device))
-        half, heads = model.num_layers * staging // 2, model.num_kv_heads
-        self.staging_pages = pages.transpose(1, 2).reshape(-1, heads)[:2 * half].view(2, half, heads)
-        self.copy_stream = torch.cuda.Stream(self.device) if staging and self.device.type == "cuda" else None
-        self.blocks_streamed = self.positions_recomputed = 0
-        inputs = (config.max_num_seqs, model.num_layers, self.input_positions, model.hidden_size)
-        return HostKVCache(self.kv_cache, num_blocks, inputs if self.input_positions else (0, 0, 0, 0), self.dtype)
 
     @torch.inference_mode()
     def profile_forward(self, lengths: list[int]) -> None:
@@ -156,7 +121,8 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, cache: KVCache | None = None) -> StepInputs:
         """Flatten the batch into the step's tensors, decodes first (AttentionMetadata),
         and note which rows get logits. cache: the pool the pages are in (the runner's).
-        Per sequence only the numbers that differ are read; the rest is numpy and torch."""
+        Per sequence only the numbers that differ are read; the rest is numpy, which reaches the
+        device in one copy (kernels.from_host_many), and torch."""
         seqs, num_new = batch.seqs, batch.num_new_tokens
         if max(num_new) > 1:   # decodes first, in order: flash-decoding takes the leading one-query rows
             order = [i for i, n in enumerate(num_new) if n == 1] + [i for i, n in enumerate(num_new) if n > 1]
@@ -177,40 +143,52 @@ class ModelRunner:
         from_end = np.repeat(np.array(cu_seqlens[1:]), n) - np.arange(cu_seqlens[-1])   # 1 for a chunk's last row
         # A decode of a token still on its way to the host (pending) feeds it from last_sampled; 0 until then.
         pending = [i for i, seq in enumerate(seqs) if seq.num_pending]
-        if len(pending) == cu_seqlens[-1]:   # every row feeds a pending token
-            ids = None
-        elif len(ends) == len(seqs) == cu_seqlens[-1]:   # decodes only: each feeds its last token
-            ids = np.array([0 if seq.num_pending else seq.output_token_ids[-1] if seq.output_token_ids
-                            else seq.prompt_token_ids[-1] for seq in seqs])
-        else:
-            ids = np.fromiter(chain.from_iterable([0] if seq.num_pending else seq.tokens(start, k)
-                                                  for seq, start, k in zip(seqs, starts, num_new)),
-                              dtype=np.int64, count=cu_seqlens[-1])
         positions = np.array(starts)[row_seq] + n[row_seq] - from_end   # true positions, also after eviction
-        tables, lens, max_context_len = self._step_pages(seqs, n, cache or self.kv_cache)
-        host_stream = self._host_stream(seqs, starts, num_new, cu_seqlens, tables) if cache is None else None
+        host = dict(positions=positions, cu_seqlens=np.array(cu_seqlens, dtype=np.int32))   # the step's copy
+        if len(pending) < cu_seqlens[-1]:   # some row feeds a token the host has
+            host["ids"] = self._input_ids(seqs, starts, num_new, len(ends) == len(seqs) == cu_seqlens[-1])
+        if len(row_seq) > len(seqs):   # prompt chunks: not every row's pair goes to its sequence's last slot
+            host.update(row_seq=row_seq, from_end=from_end)
+        if len(ends) < len(row_seq):   # not every row is sampled
+            host["sample_rows"] = np.array(step.sample_rows, dtype=np.int64)
         methods = [seq.method for seq in seqs]
         scores = any(m.needs_scores for m in methods)
-        squares = scores and any(m.squares_scores for m in methods)
-        skips = scores and any(m.score_skip for m in methods)
-        step.input_ids = None if ids is None else self._to_device(ids)
-        step.positions = self._to_device(positions)
+        if scores:
+            host["score_from"] = np.array([m.score_from(seq) for m, seq in zip(methods, seqs)], dtype=np.int32)
+            if any(m.squares_scores for m in methods):
+                host["square_scores"] = np.array([m.squares_scores for m in methods], dtype=np.bool_)
+            if any(m.score_skip for m in methods):
+                host["score_skip"] = np.array([m.score_skip for m in methods], dtype=np.int32)
         if pending:
-            step.input_ids = self._feed_pending(step.input_ids, [seqs[i] for i in pending],
-                                                [cu_seqlens[i] for i in pending])
+            self._pending_rows([seqs[i] for i in pending], [cu_seqlens[i] for i in pending], host)
+        own, max_context_len = self._page_rows(seqs, n, host)
+        on_device = dict(zip(host, kernels.from_host_many(list(host.values()), self.device)))
+        tables, lens = self._step_pages(on_device, own, cache or self.kv_cache)
+        step.input_ids = self._feed_pending(on_device) if pending else on_device["ids"]
+        step.positions, step.sample_index = on_device["positions"], on_device.get("sample_rows")
         step.meta = AttentionMetadata(
-            slot_mapping=self._slot_mapping(tables, lens, self._to_device(row_seq), self._to_device(from_end)),
-            cu_seqlens_q=self._to_device(np.array(cu_seqlens, dtype=np.int32)), context_lens=lens,
+            slot_mapping=self._slot_mapping(tables, lens, on_device.get("row_seq"), on_device.get("from_end")),
+            cu_seqlens_q=on_device["cu_seqlens"], context_lens=lens,
             page_tables=tables, max_query_len=max(num_new), max_context_len=max_context_len,
-            num_decodes=num_new.count(1), accumulate_scores=scores,
-            score_from=self._to_device([m.score_from(seq) for m, seq in zip(methods, seqs)], np.int32)
-            if scores else None,
-            square_scores=self._to_device([m.squares_scores for m in methods], np.bool_) if squares else None,
-            score_skip=self._to_device([m.score_skip for m in methods], np.int32) if skips else None,
-            decode_workspace=self.decode_workspace, host_stream=host_stream,
+            num_decodes=num_new.count(1), accumulate_scores=scores, score_from=on_device.get("score_from"),
+            square_scores=on_device.get("square_scores"), score_skip=on_device.get("score_skip"),
+            decode_workspace=self.decode_workspace,
+            host_stream=None if cache is not None else self.host_tier.stream(
+                seqs, starts, num_new, cu_seqlens, tables, lambda at, owners: self._rope_rows(at, seqs, owners)),
             rope_rows=self._rope_rows(positions, seqs, row_seq),
             kept_inputs=self.press_window.writes(seqs, starts, num_new, cu_seqlens) if cache is None else None)
         return step
+
+    @staticmethod
+    def _input_ids(seqs: list[Sequence], starts: list[int], num_new: list[int], decodes: bool) -> np.ndarray:
+        """The step's token ids, 0 where a pending token goes (_feed_pending); decodes: one row a
+        sequence, its last token."""
+        if decodes:
+            return np.array([0 if seq.num_pending else seq.output_token_ids[-1] if seq.output_token_ids
+                             else seq.prompt_token_ids[-1] for seq in seqs], dtype=np.int64)
+        return np.fromiter(chain.from_iterable([0] if seq.num_pending else seq.tokens(start, k)
+                                               for seq, start, k in zip(seqs, starts, num_new)),
+                           dtype=np.int64, count=sum(num_new))
 
     def _rope_rows(self, positions: np.ndarray, seqs: list[Sequence], owners: np.ndarray) -> torch.Tensor | None:
         """Each token's row of the RoPE table (owners: the index of its sequence in seqs) where
@@ -220,104 +198,75 @@ class ModelRunner:
         rows = self.model.rope_rows(positions, np.array([seq.num_prompt_tokens for seq in seqs])[owners])
         return None if rows is None else self._to_device(rows)
 
-    def _host_stream(self, seqs: list[Sequence], starts: list[int], num_new: list[int], cu_seqlens: list[int],
-                     tables: torch.Tensor) -> HostStream | None:
-        """The step's traffic with the host tier (models/host_stream.py), None if it has none.
-        A sequence decoding from the host gets staging pages for its offloaded blocks in every
-        layer's tables; of those blocks, the first ones whose positions' layer inputs were kept,
-        as many as KVPR's split says, are recomputed, the others copied. Prompt rows keep their
-        layer inputs up to input_positions, when every position before them has."""
-        if not (self.config.decode_from_host or self.input_positions):
-            return None
-        bs, staged = self.block_size, 0
-        copied, copied_pages, recomputed_pages = [], [], []
-        inputs, keep_rows, keep_at, owners = ([], []), [], ([], []), []   # (store row, position) each
-        for b, seq in enumerate(seqs):
-            row = seq.block_table.row
-            if seq.offloaded:
-                k = len(seq.offloaded)
-                pages = self.staging_pages[:, staged:staged + k]   # [2, k, Hkv]: even layers', odd layers'
-                staged += k
-                tables[0::2, b, :, :k], tables[1::2, b, :, :k] = pages[0].T, pages[1].T
-                recomputed = min(self.split(k * bs), seq.num_kept_inputs) // bs
-                copied += seq.offloaded[recomputed:]
-                copied_pages.append(pages[:, recomputed:])
-                recomputed_pages.append(pages[:, :recomputed])
-                inputs[0].extend([row] * recomputed * bs)
-                inputs[1].extend(range(recomputed * bs))
-                owners.extend([b] * recomputed * bs)
-            elif self.input_positions and seq.method.shares_blocks \
-                    and seq.num_kept_inputs == starts[b] < min(self.input_positions, seq.num_prompt_tokens):
-                end = min(starts[b] + num_new[b], self.input_positions, seq.num_prompt_tokens)
-                keep_rows += range(cu_seqlens[b], cu_seqlens[b] + end - starts[b])
-                keep_at[0].extend([row] * (end - starts[b]))
-                keep_at[1].extend(range(starts[b], end))
-                seq.num_kept_inputs = end
-        if not staged and not keep_rows:
-            return None
-        self.blocks_streamed += len(copied)
-        self.positions_recomputed += len(inputs[1])
-        none = self.staging_pages[:, :0]
-        pages = torch.cat(recomputed_pages, dim=1) if recomputed_pages else none
-        slots = (pages.long() * bs)[:, :, None] + torch.arange(bs, device=self.device)[:, None]   # [2, n, bs, Hkv]
-        as_tensors = [torch.tensor(index, dtype=torch.long) for index in inputs + keep_at]
-        positions = self._to_device(inputs[1], np.int64)
-        rope_rows = self._rope_rows(np.array(inputs[1], dtype=np.int64), seqs, np.array(owners, dtype=np.intp))
-        return HostStream(self.host_cache, torch.tensor(copied, dtype=torch.long),
-                          torch.cat(copied_pages, dim=1) if copied_pages else none, tuple(as_tensors[:2]),
-                          positions, positions if rope_rows is None else rope_rows, slots.flatten(1, 2),
-                          self._to_device(keep_rows, np.int64), tuple(as_tensors[2:]), copies=self.copy_stream)
-
-    def _feed_pending(self, input_ids: torch.Tensor | None, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
-        """input_ids (None: the step is those rows) with the pending tokens of seqs, sampled by
-        the step launched last, at rows. A step of the same decodes as the last, in its order,
-        feeds its tokens as they are."""
+    def _pending_rows(self, seqs: list[Sequence], rows: list[int], host: dict[str, np.ndarray]) -> None:
+        """Where the pending tokens of seqs, sampled by the step launched last, are among its
+        tokens (host["pending_from"]) and, unless the step is those rows, where they go in the
+        step's (host["pending_to"]). A step of the same decodes as the last, in its order,
+        feeds its tokens as they are: neither."""
         last = self.last_sampled
-        if input_ids is None and len(seqs) == len(last.seqs) and all(a is b for a, b in zip(seqs, last.seqs)):
-            return last.on_device
-        row_of = {id(seq): row for row, seq in enumerate(last.seqs)}
-        tokens = last.on_device[self._to_device([row_of[id(seq)] for seq in seqs], np.int64)]
-        if input_ids is None:
+        if "ids" in host or len(seqs) != len(last.seqs) or not all(a is b for a, b in zip(seqs, last.seqs)):
+            row_of = {id(seq): row for row, seq in enumerate(last.seqs)}
+            host["pending_from"] = np.array([row_of[id(seq)] for seq in seqs], dtype=np.int64)
+            if "ids" in host:
+                host["pending_to"] = np.array(rows, dtype=np.int64)
+
+    def _feed_pending(self, on_device: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The step's token ids with the pending tokens in place (_pending_rows)."""
+        tokens = self.last_sampled.on_device
+        if "pending_from" in on_device:
+            tokens = tokens[on_device["pending_from"]]
+        if "ids" not in on_device:
             return tokens
-        input_ids[self._to_device(rows, np.int64)] = tokens
-        return input_ids
+        on_device["ids"][on_device["pending_to"]] = tokens
+        return on_device["ids"]
 
     def _to_device(self, values: np.ndarray | list, dtype=None) -> torch.Tensor:
         return kernels.from_host(np.asarray(values, dtype=dtype), self.device)
 
-    def _step_pages(self, seqs: list[Sequence], num_new: np.ndarray,
-                    cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Each head's pages [L, B, Hkv, W] and length this step [L, B, Hkv], and a host-side
-        bound of the lengths. A head's pages are its sequence's blocks' (KVCache.batch_pages,
-        from the rows of BlockTables), or its own once an uneven method has evicted (HeadTables)."""
+    def _page_rows(self, seqs: list[Sequence], num_new: np.ndarray,
+                   host: dict[str, np.ndarray]) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, int]:
+        """The host's part of the step's pages: each sequence's length this step (host["lens"]),
+        the blocks of those whose heads read their blocks' pages (host["blocks"], KVCache.batch_pages
+        makes the pages), and which do not (host["own"]): once an uneven method has evicted, each
+        head has pages of its own (HeadTables), returned as their tables and lengths (None: none
+        has); and a host-side bound of the lengths."""
         lens = np.array([seq.num_kv_slots for seq in seqs]) + num_new
-        bound = int(lens.max())
+        host["lens"], bound = lens.astype(np.int32), int(lens.max())
         width = -(-bound // self.block_size)
         own = [b for b, seq in enumerate(seqs) if seq.own_pages is not None]
+        own_pages = None
         if own:
-            own_tables, own_lens = self.head_tables.read([seqs[b].own_pages for b in own], lens[own].tolist())
-            width, bound = max(width, own_tables.shape[-1]), max(bound, own_tables.shape[-1] * self.block_size)
-            if len(own) == len(seqs):   # every head has pages of its own: they are the step's tables
-                return own_tables.transpose(0, 1), own_lens.transpose(0, 1), bound
-        rows = np.fromiter((seq.block_table.row for seq in seqs), dtype=np.intp, count=len(seqs))
-        blocks = seqs[0].block_table.tables.ids[rows, :width]
-        if blocks.shape[1] < width:   # a head of its own holds more pages than a block table can
-            blocks = np.pad(blocks, ((0, 0), (0, width - blocks.shape[1])))
-        tables = cache.batch_pages(self._to_device(blocks))
-        step_lens = self._to_device(lens.astype(np.int32))[None, :, None].expand(tables.shape[:3]).contiguous()
-        if own:   # heads with pages of their own: all of them put in place at once
-            own = self._to_device(own, np.int64)
-            tables[:, own, :, :own_tables.shape[-1]] = own_tables.transpose(0, 1)
-            step_lens[:, own] = own_lens.transpose(0, 1)
-        return tables, step_lens, bound
+            own_pages = self.head_tables.read([seqs[b].own_pages for b in own], lens[own].tolist())
+            width, bound = max(width, own_pages[0].shape[-1]), max(bound, own_pages[0].shape[-1] * self.block_size)
+            host["own"] = np.array(own, dtype=np.int64)
+        if len(own) < len(seqs):
+            rows = np.fromiter((seq.block_table.row for seq in seqs), dtype=np.intp, count=len(seqs))
+            blocks = seqs[0].block_table.tables.ids[rows, :width]
+            if blocks.shape[1] < width:   # a head of its own holds more pages than a block table can
+                blocks = np.pad(blocks, ((0, 0), (0, width - blocks.shape[1])))
+            host["blocks"] = blocks
+        return own_pages, bound
 
-    def _slot_mapping(self, tables: torch.Tensor, lens: torch.Tensor, row_seq: torch.Tensor,
-                      from_end: torch.Tensor) -> torch.Tensor:
+    def _step_pages(self, on_device: dict[str, torch.Tensor], own_pages: tuple[torch.Tensor, torch.Tensor] | None,
+                    cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each head's pages [L, B, Hkv, W] and length this step [L, B, Hkv] (_page_rows)."""
+        if "blocks" not in on_device:   # every head has pages of its own: they are the step's tables
+            return own_pages[0].transpose(0, 1), own_pages[1].transpose(0, 1)
+        tables = cache.batch_pages(on_device["blocks"])
+        lens = on_device["lens"][None, :, None].expand(tables.shape[:3]).contiguous()
+        if own_pages is not None:   # heads with pages of their own: all of them put in place at once
+            own_tables, own_lens = own_pages
+            tables[:, on_device["own"], :, :own_tables.shape[-1]] = own_tables.transpose(0, 1)
+            lens[:, on_device["own"]] = own_lens.transpose(0, 1)
+        return tables, lens
+
+    def _slot_mapping(self, tables: torch.Tensor, lens: torch.Tensor, row_seq: torch.Tensor | None,
+                      from_end: torch.Tensor | None) -> torch.Tensor:
         """[L, T, Hkv] int64: where each new token's pair goes in every head, the last num_new[b]
         of the head's lens [L, B, Hkv] slots, through its pages tables [L, B, Hkv, W]; row t is
-        from_end[t] slots from the end of sequence row_seq[t]."""
+        from_end[t] slots from the end of sequence row_seq[t] (None: one row a sequence)."""
         L, B, H = lens.shape
-        if len(row_seq) == B:   # one token a sequence: its pair goes to each head's last slot
+        if row_seq is None:   # one token a sequence: its pair goes to each head's last slot
             index = lens - 1
             pages = tables.gather(3, (index // self.block_size)[..., None].long())[..., 0]
         else:
@@ -349,8 +298,8 @@ class ModelRunner:
                 hidden = self.model(step.input_ids, step.positions, self.kv_cache, meta)
             if self.model.shard.rank:   # a worker of a split model: rank 0 samples
                 return None
-            logits = self.model.compute_logits(hidden[self._to_device(step.sample_rows, np.int64)]) \
-                if step.sample_rows else None
+            sampled_rows = hidden if step.sample_index is None else hidden[step.sample_index]
+            logits = self.model.compute_logits(sampled_rows) if step.sample_rows else None
             clock.lap("forward")
             seqs, sampled = step.sampled_seqs, (None, {}, None)
             if logits is not None:
@@ -368,10 +317,10 @@ class ModelRunner:
         window are kept aside while it is out; the tables follow its blocks when it resumes."""
         if batch.saves:
             device, host = zip(*batch.saves)
-            self.host_cache.save(list(host), list(device))
+            self.host_tier.cache.save(list(host), list(device))
         if batch.loads:
             host, device = zip(*batch.loads)
-            self.host_cache.load(list(host), list(device))
+            self.host_tier.cache.load(list(host), list(device))
         for seq in batch.swapped_out:
             self.press_window.keep_aside(seq)
             self.head_tables.keep_aside(seq.own_pages)

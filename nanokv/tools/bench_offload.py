@@ -32,7 +32,7 @@ from models.shapes import shape_config
 from nanokv import LLM
 from nanokv.config import EngineConfig
 from nanokv.engine.offload_costs import PositionCost, best_split, measure_link_and_device
-from nanokv.engine.runner import STAGING_SHARE
+from nanokv.engine.host_tier import STAGING_SHARE
 from nanokv.tools.tables import print_table
 from nanokv.tools.throughput import make_llm, method_list, run_context, sampling, workload
 

@@ -52,7 +52,7 @@ def test_decoding_from_the_host_gives_what_a_roomy_pool_gives(tiny_models, famil
     newest are preempted (swapped); evicting ones beside them never offload."""
     roomy = engine(tiny_models(family), 256, kv_cache_dtype=kv_cache_dtype).generate(prompts(), params(method))
     llm = from_host(tiny_models, family, kv_cache_dtype=kv_cache_dtype, preemption_mode="swap")
-    assert (llm.runner.input_positions > 0) == recomputes
+    assert (llm.runner.host_tier.input_positions > 0) == recomputes
     outs = llm.generate(prompts(), params(method))
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
     stats = llm.stats()
@@ -102,7 +102,7 @@ def test_decoding_from_the_host_on_a_gpu_gives_what_a_roomy_pool_gives(tiny_mode
     steps replay CUDA graphs."""
     roomy = engine(tiny_models("qwen3"), 256, device="cuda").generate(prompts(), params("full"))
     llm = from_host(tiny_models, "qwen3", device="cuda", preemption_mode="swap")
-    assert llm.runner.copy_stream is not None
+    assert llm.runner.host_tier.copy_stream is not None
     assert [o.token_ids for o in llm.generate(prompts(), params("full"))] == [o.token_ids for o in roomy]
     stats = llm.stats()
     assert stats.blocks_streamed > 0 and stats.positions_recomputed > 0
@@ -118,14 +118,14 @@ def test_staged_kv_equals_what_was_offloaded(tiny_models):
     while not any(seq.offloaded and seq.num_kept_inputs >= 32 for seq in llm.scheduler.running):
         llm.step()
     seq = next(seq for seq in llm.scheduler.running if seq.offloaded and seq.num_kept_inputs >= 32)
-    runner, model, host = llm.runner, llm.runner.model, llm.runner.host_cache
+    runner, model, host = llm.runner, llm.runner.model, llm.runner.host_tier.cache
     stream = runner.prepare(ScheduledBatch([seq], [1])).meta.host_stream
     recomputed = len(stream.positions) // 16
     assert 2 <= recomputed <= len(seq.offloaded) and len(stream.blocks) == len(seq.offloaded) - recomputed
     for layer in range(model.config.num_layers):
         stream.before_attention(layer, torch.empty(0, model.config.hidden_size), model.layers[layer].self_attn,
                                 model.cos_sin)
-        pages = runner.staging_pages[layer % 2, :len(seq.offloaded)]   # even layers stage in one half, odd in the other
+        pages = runner.host_tier.staging_pages[layer % 2, :len(seq.offloaded)]   # even layers in one half, odd in the other
         for buffer, stored in zip(runner.kv_cache.per_slot, host.per_slot):
             staged, offloaded = buffer[pages], stored[seq.offloaded, layer]
             assert torch.equal(staged[recomputed:], offloaded[recomputed:])
@@ -138,7 +138,7 @@ def test_the_staging_buffers_are_allocated_once(tiny_models):
     llm = from_host(tiny_models, "qwen3", preemption_mode="swap")
     for prompt, p in zip(prompts(), params("full")):
         llm.add_request(prompt, p)
-    host, seen = llm.runner.host_cache, set()
+    host, seen = llm.runner.host_tier.cache, set()
     while llm.has_unfinished():
         llm.step()
         seen.add(tuple(buffer.data_ptr() for half in host._staging for buffer in half))
@@ -149,13 +149,13 @@ def test_the_split_follows_the_cost_of_the_link(tiny_models, monkeypatch):
     """Without partial_recompute, or on a device too slow for recomputing to pay, every block
     is copied and no layer input is kept."""
     llm = from_host(tiny_models, "qwen3", partial_recompute=False)
-    assert llm.runner.input_positions == 0 and llm.runner.split(96) == 0
+    assert llm.runner.host_tier.input_positions == 0 and llm.runner.host_tier.split(96) == 0
     monkeypatch.setattr(nanokv.engine.runner, "measure_link_and_device", lambda *args: (1e9, 1e6))
     llm = from_host(tiny_models, "qwen3")
-    assert llm.runner.input_positions == 0 and llm.runner.split(96) == 0
+    assert llm.runner.host_tier.input_positions == 0 and llm.runner.host_tier.split(96) == 0
     monkeypatch.setattr(nanokv.engine.runner, "measure_link_and_device", lambda *args: (1e9, 1e12))
     cost = PositionCost.of(llm.model_config, torch.float32, torch.float32, False, 1e9, 1e12)
-    assert from_host(tiny_models, "qwen3").runner.split(96) == best_split(96, cost) > 80
+    assert from_host(tiny_models, "qwen3").runner.host_tier.split(96) == best_split(96, cost) > 80
 
 
 @pytest.mark.parametrize("options, message", [

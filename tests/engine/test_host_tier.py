@@ -143,7 +143,7 @@ def test_swapping_on_a_gpu_gives_what_a_roomy_pool_gives(tiny_dir, method):
     roomy = engine(tiny_dir, device="cuda", num_kv_blocks=256).generate(prompts(), params(method))
     llm = engine(tiny_dir, device="cuda", num_kv_blocks=9 if method != "full" else 14, kv_offload_gb=0.01,
                  preemption_mode="swap")
-    assert llm.runner.host_cache.per_slot[0].is_pinned() and llm.runner.graphs is not None
+    assert llm.runner.host_tier.cache.per_slot[0].is_pinned() and llm.runner.graphs is not None
     outs = llm.generate(prompts(), params(method))
     assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
     stats = llm.stats()

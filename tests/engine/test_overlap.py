@@ -3,11 +3,12 @@ before it are read. Requests get exactly what they get with overlap off: a reque
 stopped has its one extra token dropped, never shown."""
 import traceback
 
+import numpy as np
 import pytest
 import torch
 
 import kernels
-from helpers import device_waits, preemption_prompts
+from helpers import KERNEL_DEVICE, device_waits, preemption_prompts
 from nanokv import LLM, SamplingParams
 from nanokv.engine import sampler as sampler_module
 
@@ -131,6 +132,47 @@ def test_a_step_launches_before_the_tokens_of_the_one_before_are_read(tiny_dir, 
                           return_kept_positions=True)
     llm.generate(prompts, [kept] * 3)
     assert all(events[i][0] != events[i + 1][0] for i in range(len(events) - 1))   # launch, read, launch, ...
+
+
+def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
+    """What a step's forward pass reads from the host (token ids, positions, lengths, block
+    tables, the rows sampled, the score settings, where its pending tokens come from) reaches
+    the device in one copy: prompt chunks and decodes, full, windowed, squared and skipping
+    scores in one batch. A head with pages of its own (kvcompress, once it has evicted) adds
+    the one that gathers its tables (HeadTables.read)."""
+    llm = engine(tiny_dir, True, num_kv_blocks=160, max_num_batched_tokens=48)
+    steps, inside, prepare, from_host = [], [False], llm.runner.prepare, kernels.from_host
+
+    def counting(values, device):
+        steps[-1][0] += inside[0]
+        return from_host(values, device)
+
+    def preparing(batch, cache=None):
+        steps.append([0, any(seq.own_pages is not None for seq in batch.seqs)])
+        inside[0] = True
+        try:
+            return prepare(batch, cache)
+        finally:
+            inside[0] = False
+    monkeypatch.setattr(kernels, "from_host", counting)
+    monkeypatch.setattr(llm.runner, "prepare", preparing)
+    evicts = dict(kv_budget=32, evict_every=16, max_tokens=40, temperature=0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+              SamplingParams(kv_method="batchmax", **evicts), SamplingParams(kv_method="snapkv", kv_window=8, **evicts),
+              SamplingParams(kv_method="kvcompress", kv_score_all=True, kv_window=8, **evicts)]
+    llm.generate(preemption_prompts()[:4], params)
+    assert any(own for _, own in steps) and any(not own for _, own in steps)
+    assert all(copies == 1 + own for copies, own in steps)
+
+
+def test_arrays_copied_together_come_back_as_they_were_each_at_a_16_byte_boundary():
+    """kernels.from_host_many: values, dtype and shape, empty arrays too; each at a multiple of 16
+    bytes from the start, so a kernel reading one is compiled as for any tensor of its own."""
+    arrays = [np.arange(5), np.array([1, 2, 3], dtype=np.int32), np.zeros((2, 3), dtype=np.int32),
+              np.array([True, False]), np.array([], dtype=np.int64), np.arange(6, dtype=np.int64).reshape(3, 2)]
+    arrived = kernels.from_host_many(arrays, torch.device(KERNEL_DEVICE))
+    assert all(torch.equal(torch.from_numpy(a), t.cpu()) for a, t in zip(arrays, arrived))
+    assert all((t.data_ptr() - arrived[0].data_ptr()) % 16 == 0 for t in arrived)
 
 
 def test_prompt_logprobs_are_read_with_the_tokens_not_at_launch(tiny_dir, monkeypatch):

@@ -178,7 +178,7 @@ def test_the_host_tier_splits(tmp_path, split, monkeypatch):
 
     one, two = engine(tmp_path, **options), split(tmp_path, 2, **options)
     assert_same(serve(two), serve(one))
-    assert two.runner.input_positions > 0 and one.runner.input_positions > 0
+    assert two.runner.host_tier.input_positions > 0 and one.runner.host_tier.input_positions > 0
     stats = two.stats()
     assert stats.blocks_offloaded > 0 and stats.positions_recomputed > 0 and stats.swaps > 0 and stats.host_hits > 0
     assert stats.free_blocks == stats.total_blocks and stats.host_blocks_used == 0
