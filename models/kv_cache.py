@@ -48,6 +48,7 @@ class KVCache:
         layers = torch.arange(self.num_layers, device=device)[:, None, None]
         heads = torch.arange(self.num_kv_heads, device=device)[None, :, None]
         self._page_offsets = (layers * num_blocks * self.num_kv_heads + heads).int()   # [L, Hkv, 1]
+        self._slot_offsets = self._page_offsets[..., 0].long()[:, None, :] * block_size   # [L, 1, Hkv]
 
     def pages(self, blocks: torch.Tensor) -> torch.Tensor:
         """Block ids [..., nb] -> their pages [..., L, Hkv, nb]: each head's page table."""
@@ -57,6 +58,11 @@ class KVCache:
         """Block ids [B, nb] -> the step's page tables [L, B, Hkv, nb], layer first as the
         kernels read them, built in one allocation."""
         return (blocks.to(torch.int32) * self.num_kv_heads)[None, :, None] + self._page_offsets[:, None]
+
+    def token_slots(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Where tokens' pairs go in every layer and KV head [L, T, Hkv] (int64) when each head
+        holds its pairs in its blocks' own pages: each token's block [T] and slot in it [T]."""
+        return (blocks * (self.num_kv_heads * self.block_size) + offsets)[None, :, None] + self._slot_offsets
 
     @property
     def per_slot(self) -> tuple[torch.Tensor, ...]:

@@ -147,8 +147,6 @@ class ModelRunner:
         host = dict(positions=positions, cu_seqlens=np.array(cu_seqlens, dtype=np.int32))   # the step's copy
         if len(pending) < cu_seqlens[-1]:   # some row feeds a token the host has
             host["ids"] = self._input_ids(seqs, starts, num_new, len(ends) == len(seqs) == cu_seqlens[-1])
-        if len(row_seq) > len(seqs):   # prompt chunks: not every row's pair goes to its sequence's last slot
-            host.update(row_seq=row_seq, from_end=from_end)
         if len(ends) < len(row_seq):   # not every row is sampled
             host["sample_rows"] = np.array(step.sample_rows, dtype=np.int64)
         methods = [seq.method for seq in seqs]
@@ -161,22 +159,23 @@ class ModelRunner:
                 host["score_skip"] = np.array([m.score_skip for m in methods], dtype=np.int32)
         if pending:
             self._pending_rows([seqs[i] for i in pending], [cu_seqlens[i] for i in pending], host)
-        own, max_context_len = self._page_rows(seqs, n, host)
+        own, max_context_len = self._page_rows(seqs, n, row_seq, from_end, host)
         on_device = dict(zip(host, kernels.from_host_many(list(host.values()), self.device)))
-        tables, lens = self._step_pages(on_device, own, cache or self.kv_cache)
+        cache = cache or self.kv_cache
+        tables, lens = self._step_pages(on_device, own, cache)
         step.input_ids = self._feed_pending(on_device) if pending else on_device["ids"]
         step.positions, step.sample_index = on_device["positions"], on_device.get("sample_rows")
         step.meta = AttentionMetadata(
-            slot_mapping=self._slot_mapping(tables, lens, on_device.get("row_seq"), on_device.get("from_end")),
+            slot_mapping=self._slot_mapping(on_device, tables, lens, cache),
             cu_seqlens_q=on_device["cu_seqlens"], context_lens=lens,
             page_tables=tables, max_query_len=max(num_new), max_context_len=max_context_len,
             num_decodes=num_new.count(1), accumulate_scores=scores, score_from=on_device.get("score_from"),
             square_scores=on_device.get("square_scores"), score_skip=on_device.get("score_skip"),
             decode_workspace=self.decode_workspace,
-            host_stream=None if cache is not None else self.host_tier.stream(
+            host_stream=None if cache is not self.kv_cache else self.host_tier.stream(
                 seqs, starts, num_new, cu_seqlens, tables, lambda at, owners: self._rope_rows(at, seqs, owners)),
             rope_rows=self._rope_rows(positions, seqs, row_seq),
-            kept_inputs=self.press_window.writes(seqs, starts, num_new, cu_seqlens) if cache is None else None)
+            kept_inputs=self.press_window.writes(seqs, starts, num_new, cu_seqlens) if cache is self.kv_cache else None)
         return step
 
     @staticmethod
@@ -223,13 +222,16 @@ class ModelRunner:
     def _to_device(self, values: np.ndarray | list, dtype=None) -> torch.Tensor:
         return kernels.from_host(np.asarray(values, dtype=dtype), self.device)
 
-    def _page_rows(self, seqs: list[Sequence], num_new: np.ndarray,
+    def _page_rows(self, seqs: list[Sequence], num_new: np.ndarray, row_seq: np.ndarray, from_end: np.ndarray,
                    host: dict[str, np.ndarray]) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, int]:
         """The host's part of the step's pages: each sequence's length this step (host["lens"]),
         the blocks of those whose heads read their blocks' pages (host["blocks"], KVCache.batch_pages
         makes the pages), and which do not (host["own"]): once an uneven method has evicted, each
         head has pages of its own (HeadTables), returned as their tables and lengths (None: none
-        has); and a host-side bound of the lengths."""
+        has); and a host-side bound of the lengths. Row t of the step (of sequence row_seq[t])
+        writes its pair from_end[t] slots from its sequence's end: where none has pages of its
+        own, the block and offset of that slot (host["slot_blocks"], ["slot_offsets"]); else
+        row_seq and from_end (for the gather of _slot_mapping)."""
         lens = np.array([seq.num_kv_slots for seq in seqs]) + num_new
         host["lens"], bound = lens.astype(np.int32), int(lens.max())
         width = -(-bound // self.block_size)
@@ -245,6 +247,12 @@ class ModelRunner:
             if blocks.shape[1] < width:   # a head of its own holds more pages than a block table can
                 blocks = np.pad(blocks, ((0, 0), (0, width - blocks.shape[1])))
             host["blocks"] = blocks
+        if not own:
+            index = lens[row_seq] - from_end
+            host["slot_blocks"], host["slot_offsets"] = blocks[row_seq, index // self.block_size].astype(np.int64), \
+                index % self.block_size
+        elif len(row_seq) > len(seqs):   # prompt chunks: not every row's pair goes to its sequence's last slot
+            host.update(row_seq=row_seq, from_end=from_end)
         return own_pages, bound
 
     def _step_pages(self, on_device: dict[str, torch.Tensor], own_pages: tuple[torch.Tensor, torch.Tensor] | None,
@@ -260,17 +268,21 @@ class ModelRunner:
             lens[:, on_device["own"]] = own_lens.transpose(0, 1)
         return tables, lens
 
-    def _slot_mapping(self, tables: torch.Tensor, lens: torch.Tensor, row_seq: torch.Tensor | None,
-                      from_end: torch.Tensor | None) -> torch.Tensor:
+    def _slot_mapping(self, on_device: dict[str, torch.Tensor], tables: torch.Tensor, lens: torch.Tensor,
+                      cache: KVCache) -> torch.Tensor:
         """[L, T, Hkv] int64: where each new token's pair goes in every head, the last num_new[b]
-        of the head's lens [L, B, Hkv] slots, through its pages tables [L, B, Hkv, W]; row t is
-        from_end[t] slots from the end of sequence row_seq[t] (None: one row a sequence)."""
+        of the head's lens [L, B, Hkv] slots. Where every head reads its blocks' pages, from
+        their layout (KVCache.token_slots); else through each head's pages tables [L, B, Hkv, W],
+        row t from_end[t] slots from the end of sequence row_seq[t] (_page_rows)."""
+        if "slot_blocks" in on_device:
+            return cache.token_slots(on_device["slot_blocks"], on_device["slot_offsets"])
         L, B, H = lens.shape
-        if row_seq is None:   # one token a sequence: its pair goes to each head's last slot
+        if "row_seq" not in on_device:   # one token a sequence: its pair goes to each head's last slot
             index = lens - 1
             pages = tables.gather(3, (index // self.block_size)[..., None].long())[..., 0]
         else:
-            index = lens[:, row_seq] - from_end[None, :, None]                      # [L, T, H]: its slot per head
+            row_seq = on_device["row_seq"]
+            index = lens[:, row_seq] - on_device["from_end"][None, :, None]         # [L, T, H]: its slot per head
             pages = tables[torch.arange(L, device=self.device)[:, None, None], row_seq[None, :, None],
                            torch.arange(H, device=self.device)[None, None, :], index // self.block_size]
         return pages.long() * self.block_size + index % self.block_size

@@ -110,6 +110,13 @@ def test_a_mixed_step_puts_its_decodes_first(tmp_path):
     assert (blocks[:, 0, :, :1] == 3).all() and (blocks[:, 1] == torch.tensor([0, 1, 2], device=blocks.device)).all()
     assert step.input_ids[0].item() == 9 and step.positions[:2].tolist() == [3, 0]
     assert step.sample_rows == [0, 40] and step.sampled_seqs == [decode, chunk]
+    # Each row's pair goes from_end slots from its sequence's end, in the page its head's table names.
+    # The runner took it from the pages' layout (KVCache.token_slots), not from the tables.
+    bs, lens, pages = llm.config.block_size, step.meta.context_lens.tolist(), step.meta.page_tables.tolist()
+    rows = [(0, 1)] + [(1, 40 - i) for i in range(40)]   # (sequence, from_end)
+    expected = [[[pages[l][b][h][(lens[l][b][h] - k) // bs] * bs + (lens[l][b][h] - k) % bs for h in range(H)]
+                 for b, k in rows] for l in range(L)]
+    assert step.meta.slot_mapping.tolist() == expected
 
 
 @pytest.mark.gpu
