@@ -161,21 +161,21 @@ class ModelRunner:
             self._pending_rows([seqs[i] for i in pending], [cu_seqlens[i] for i in pending], host)
         own, max_context_len = self._page_rows(seqs, n, row_seq, from_end, host)
         on_device = dict(zip(host, kernels.from_host_many(list(host.values()), self.device)))
-        cache = cache or self.kv_cache
-        tables, lens = self._step_pages(on_device, own, cache)
+        pool = cache or self.kv_cache
+        tables, lens = self._step_pages(on_device, own, pool)
         step.input_ids = self._feed_pending(on_device) if pending else on_device["ids"]
         step.positions, step.sample_index = on_device["positions"], on_device.get("sample_rows")
         step.meta = AttentionMetadata(
-            slot_mapping=self._slot_mapping(on_device, tables, lens, cache),
+            slot_mapping=self._slot_mapping(on_device, tables, lens, pool),
             cu_seqlens_q=on_device["cu_seqlens"], context_lens=lens,
             page_tables=tables, max_query_len=max(num_new), max_context_len=max_context_len,
             num_decodes=num_new.count(1), accumulate_scores=scores, score_from=on_device.get("score_from"),
             square_scores=on_device.get("square_scores"), score_skip=on_device.get("score_skip"),
             decode_workspace=self.decode_workspace,
-            host_stream=None if cache is not self.kv_cache else self.host_tier.stream(
+            host_stream=None if cache is not None else self.host_tier.stream(
                 seqs, starts, num_new, cu_seqlens, tables, lambda at, owners: self._rope_rows(at, seqs, owners)),
             rope_rows=self._rope_rows(positions, seqs, row_seq),
-            kept_inputs=self.press_window.writes(seqs, starts, num_new, cu_seqlens) if cache is self.kv_cache else None)
+            kept_inputs=self.press_window.writes(seqs, starts, num_new, cu_seqlens) if cache is None else None)
         return step
 
     @staticmethod
@@ -247,10 +247,10 @@ class ModelRunner:
             if blocks.shape[1] < width:   # a head of its own holds more pages than a block table can
                 blocks = np.pad(blocks, ((0, 0), (0, width - blocks.shape[1])))
             host["blocks"] = blocks
-        if not own:
+        if not own:   # the slot each row's pair goes to, in its block
             index = lens[row_seq] - from_end
-            host["slot_blocks"], host["slot_offsets"] = blocks[row_seq, index // self.block_size].astype(np.int64), \
-                index % self.block_size
+            host["slot_blocks"] = blocks[row_seq, index // self.block_size].astype(np.int64)
+            host["slot_offsets"] = index % self.block_size
         elif len(row_seq) > len(seqs):   # prompt chunks: not every row's pair goes to its sequence's last slot
             host.update(row_seq=row_seq, from_end=from_end)
         return own_pages, bound
