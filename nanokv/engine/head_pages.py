@@ -66,12 +66,20 @@ class HeadTables:
     def read(self, owns: list[OwnPages], num_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of owns [S, L, Hkv, W] (W the widest; a narrower row's extra columns name
         pages it never reads) and each head's pairs [S, L, Hkv] when its sequence holds num_slots."""
+        rows, width = self.rows(owns, num_slots)
+        return self.gather(kernels.from_host(rows, self.lens.device), width)
+
+    @staticmethod
+    def rows(owns: list[OwnPages], num_slots: list[int]) -> tuple[np.ndarray, int]:
+        """read's host part: the rows of owns and the pairs each head has taken since [2, S], and
+        the widest row's width."""
         owns = [own.landed() for own in owns]
-        rows, taken = kernels.from_host(np.array([[own.row for own in owns],
-                                                  [n - own.slots for own, n in zip(owns, num_slots)]]),
-                                        self.lens.device)
-        width = max(own.width for own in owns)
-        return self.tables[rows, :, :, :width], self.lens[rows] + taken[:, None, None].to(torch.int32)
+        return (np.array([[own.row for own in owns], [n - own.slots for own, n in zip(owns, num_slots)]]),
+                max(own.width for own in owns))
+
+    def gather(self, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """read's device part, rows (HeadTables.rows) on the device."""
+        return self.tables[rows[0], :, :, :width], self.lens[rows[0]] + rows[1][:, None, None].to(torch.int32)
 
     def write(self, owns: list[OwnPages], tables: torch.Tensor, lens: torch.Tensor,
               widths: torch.Tensor | None = None) -> None:

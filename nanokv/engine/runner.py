@@ -159,10 +159,10 @@ class ModelRunner:
                 host["score_skip"] = np.array([m.score_skip for m in methods], dtype=np.int32)
         if pending:
             self._pending_rows([seqs[i] for i in pending], [cu_seqlens[i] for i in pending], host)
-        own, max_context_len = self._page_rows(seqs, n, row_seq, from_end, host)
+        own_width, max_context_len = self._page_rows(seqs, n, row_seq, from_end, host)
         on_device = dict(zip(host, kernels.from_host_many(list(host.values()), self.device)))
         pool = cache or self.kv_cache
-        tables, lens = self._step_pages(on_device, own, pool)
+        tables, lens = self._step_pages(on_device, own_width, pool)
         step.input_ids = self._feed_pending(on_device) if pending else on_device["ids"]
         step.positions, step.sample_index = on_device["positions"], on_device.get("sample_rows")
         step.meta = AttentionMetadata(
@@ -223,23 +223,23 @@ class ModelRunner:
         return kernels.from_host(np.asarray(values, dtype=dtype), self.device)
 
     def _page_rows(self, seqs: list[Sequence], num_new: np.ndarray, row_seq: np.ndarray, from_end: np.ndarray,
-                   host: dict[str, np.ndarray]) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, int]:
+                   host: dict[str, np.ndarray]) -> tuple[int | None, int]:
         """The host's part of the step's pages: each sequence's length this step (host["lens"]),
         the blocks of those whose heads read their blocks' pages (host["blocks"], KVCache.batch_pages
         makes the pages), and which do not (host["own"]): once an uneven method has evicted, each
-        head has pages of its own (HeadTables), returned as their tables and lengths (None: none
-        has); and a host-side bound of the lengths. Row t of the step (of sequence row_seq[t])
-        writes its pair from_end[t] slots from its sequence's end: where none has pages of its
-        own, the block and offset of that slot (host["slot_blocks"], ["slot_offsets"]); else
-        row_seq and from_end (for the gather of _slot_mapping)."""
+        head has pages of its own, in a row of HeadTables (host["own_rows"]; the widest row's width
+        returned, None where none has); and a host-side bound of the lengths. Row t of the step
+        (of sequence row_seq[t]) writes its pair from_end[t] slots from its sequence's end: where
+        none has pages of its own, the block and offset of that slot (host["slot_blocks"],
+        ["slot_offsets"]); else row_seq and from_end (for the gather of _slot_mapping)."""
         lens = np.array([seq.num_kv_slots for seq in seqs]) + num_new
         host["lens"], bound = lens.astype(np.int32), int(lens.max())
         width = -(-bound // self.block_size)
         own = [b for b, seq in enumerate(seqs) if seq.own_pages is not None]
-        own_pages = None
+        own_width = None
         if own:
-            own_pages = self.head_tables.read([seqs[b].own_pages for b in own], lens[own].tolist())
-            width, bound = max(width, own_pages[0].shape[-1]), max(bound, own_pages[0].shape[-1] * self.block_size)
+            host["own_rows"], own_width = self.head_tables.rows([seqs[b].own_pages for b in own], lens[own].tolist())
+            width, bound = max(width, own_width), max(bound, own_width * self.block_size)
             host["own"] = np.array(own, dtype=np.int64)
         if len(own) < len(seqs):
             rows = np.fromiter((seq.block_table.row for seq in seqs), dtype=np.intp, count=len(seqs))
@@ -253,18 +253,19 @@ class ModelRunner:
             host["slot_offsets"] = index % self.block_size
         elif len(row_seq) > len(seqs):   # prompt chunks: not every row's pair goes to its sequence's last slot
             host.update(row_seq=row_seq, from_end=from_end)
-        return own_pages, bound
+        return own_width, bound
 
-    def _step_pages(self, on_device: dict[str, torch.Tensor], own_pages: tuple[torch.Tensor, torch.Tensor] | None,
+    def _step_pages(self, on_device: dict[str, torch.Tensor], own_width: int | None,
                     cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Each head's pages [L, B, Hkv, W] and length this step [L, B, Hkv] (_page_rows)."""
-        if "blocks" not in on_device:   # every head has pages of its own: they are the step's tables
-            return own_pages[0].transpose(0, 1), own_pages[1].transpose(0, 1)
+        if own_width is not None:
+            own_tables, own_lens = self.head_tables.gather(on_device["own_rows"], own_width)
+            if "blocks" not in on_device:   # every head has pages of its own: they are the step's tables
+                return own_tables.transpose(0, 1), own_lens.transpose(0, 1)
         tables = cache.batch_pages(on_device["blocks"])
         lens = on_device["lens"][None, :, None].expand(tables.shape[:3]).contiguous()
-        if own_pages is not None:   # heads with pages of their own: all of them put in place at once
-            own_tables, own_lens = own_pages
-            tables[:, on_device["own"], :, :own_tables.shape[-1]] = own_tables.transpose(0, 1)
+        if own_width is not None:   # heads with pages of their own: all of them put in place at once
+            tables[:, on_device["own"], :, :own_width] = own_tables.transpose(0, 1)
             lens[:, on_device["own"]] = own_lens.transpose(0, 1)
         return tables, lens
 
