@@ -1,8 +1,8 @@
 """Runs one scheduled batch through the model: flat tensors in, sampled tokens out.
 
 This is the one place where attention metadata is built. It also owns the model,
-the KV cache tensors, the sampler and the eviction surgery (evict.py), and runs
-the profiling passes the pool is sized by (memory.py).
+the KV cache tensors, the host tier (host_tier.py), the sampler and the eviction surgery
+(evict.py), and runs the profiling passes the pool is sized by (memory.py).
 """
 from __future__ import annotations
 
