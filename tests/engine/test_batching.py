@@ -14,7 +14,7 @@ PROMPTS = [
 
 
 def test_greedy_output_is_the_same_alone_and_in_a_chunked_batch(bundled_dir):
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)   # past the chunked prefill, in a batch
     alone = LLM(str(bundled_dir), dtype="float32", num_kv_blocks=256, max_model_len=512)
     expected = [alone.generate(p, params)[0].token_ids for p in PROMPTS]
     batched = LLM(str(bundled_dir), dtype="float32", num_kv_blocks=256, max_model_len=512,
