@@ -109,8 +109,9 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is running:   # not preempted earlier in this loop
-                budget -= self._plan(seq, budget, batch, seq.method.together and seq.method.cohort in evicting)
+            if seq.status is running:   # not preempted earlier in this loop (evicting: mostly empty, so first)
+                joining = bool(evicting) and seq.method.together and seq.method.cohort in evicting
+                budget -= self._plan(seq, budget, batch, joining)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             # preempted in this step, or with a token still pending (its tokens are not all known)
