@@ -134,21 +134,27 @@ class Evictor:
         """Drop each eviction's pairs from every (layer, KV head) of its sequence, the survivors
         filling the holes below each head's new length. Sequences evicting alike are done
         together: those of one rule, slot count and eviction count; an uneven method's, of one
-        rule, whatever they hold and drop."""
+        rule, whatever they hold and drop. What every group reads from the host reaches the
+        device in one copy (kernels.from_host_many)."""
         groups = defaultdict(list)
         for e in evictions:
             uneven = e.seq.method.uneven
             groups[(e.seq.method.rule, True) if uneven else (e.seq.method.rule, e.num_slots, e.num_evicted)].append(e)
-        for (_, num_slots, *uniform), group in groups.items():
+        parts = [self._pages_host(group) if len(key) == 2 else self._host([e.seq for e in group], key[1])
+                 for key, group in groups.items()]
+        arrived = iter(kernels.from_host_many([array for part in parts for array in part.values()], self.device))
+        for ((_, num_slots, *uniform), group), part in zip(groups.items(), parts):
+            on_device = {name: next(arrived) for name in part}
             if not uniform:
-                self._evict_pages(group)
+                self._evict_pages(group, on_device)
                 continue
             num_evicted = uniform[0]
             seqs = [e.seq for e in group]
-            tables = self._tables(seqs, num_slots)
+            tables = self.cache.pages(on_device["blocks"])
             for in_piece, layers in self._pieces(len(seqs), seqs[0].method, num_slots, num_evicted):
                 piece = tables[in_piece, layers]
-                evicted = self._evicted(seqs[in_piece], piece, num_slots, num_evicted, layers)
+                evicted = self._evicted(seqs[in_piece], piece, on_device["current"][in_piece], num_slots,
+                                        num_evicted, layers)
                 src, dst, valid = hole_moves(evicted, num_slots)
                 kernels.move_slots(self.cache.per_slot, piece, src, dst)   # the rest move a slot onto itself
                 self.evicted_pairs += evicted.numel()
@@ -172,17 +178,27 @@ class Evictor:
         self.num_pieces += len(pieces)
         return pieces
 
-    def _tables(self, seqs: list[Sequence], num_slots: int) -> torch.Tensor:
-        """[S, L, Hkv, nb]: each head's pages holding the sequences' first num_slots slots."""
-        nb = -(-num_slots // self.block_size)
-        rows = [seq.block_table.row for seq in seqs]
-        return self.cache.pages(kernels.from_host(seqs[0].block_table.tables.ids[rows, :nb], self.device))
+    def _on_device(self, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Host arrays on the device, in one copy."""
+        return dict(zip(host, kernels.from_host_many(list(host.values()), self.device)))
 
-    def _held(self, seqs: list[Sequence], tables: torch.Tensor, n: int, lens: torch.Tensor | None = None,
-              num_evicted: int = 0, layers: slice = slice(None), num_kept: list[int] | None = None) -> HeldPairs:
-        """What the sequences' heads hold in their first n slots through tables [S, L, H, nb]: the
-        layers `layers` of the model."""
-        current = kernels.from_host([seq.num_computed_tokens - 1 for seq in seqs], self.device)
+    def _blocks(self, seqs: list[Sequence], num_slots: int) -> np.ndarray:
+        """[S, nb]: the blocks holding the sequences' first num_slots slots (KVCache.pages makes
+        each head's pages of them)."""
+        rows = [seq.block_table.row for seq in seqs]
+        return seqs[0].block_table.tables.ids[rows, :-(-num_slots // self.block_size)]
+
+    def _host(self, seqs: list[Sequence], num_slots: int) -> dict[str, np.ndarray]:
+        """What evicting seqs' first num_slots slots reads from the host: their blocks, and the
+        position each has reached (what a ranking such as TOVA's measures recency from)."""
+        return dict(blocks=self._blocks(seqs, num_slots),
+                    current=np.array([seq.num_computed_tokens - 1 for seq in seqs], dtype=np.int64))
+
+    def _held(self, seqs: list[Sequence], tables: torch.Tensor, current: torch.Tensor, n: int,
+              lens: torch.Tensor | None = None, num_evicted: int = 0, layers: slice = slice(None),
+              num_kept: list[int] | None = None) -> HeldPairs:
+        """What the sequences' heads hold in their first n slots through tables [S, L, H, nb], the
+        layers `layers` of the model, each sequence at position current [S]."""
         scores = self.shard.sum_over_replicas(read_slots(self.cache.scores, tables, n))
         first = layers.start or 0
         press_args = functools.cache(lambda s: self.press_window.press_args(seqs[s]))   # a sequence's, once
@@ -200,38 +216,65 @@ class Evictor:
                                    None if scales is None else read_slots(scales, tables, n)[..., which])
         return pairs.to(torch.promote_types(pairs.dtype, torch.float32))
 
-    def _evicted(self, seqs: list[Sequence], tables: torch.Tensor, num_slots: int, num_evicted: int,
-                 layers: slice = slice(None)) -> torch.Tensor:
+    def _evicted(self, seqs: list[Sequence], tables: torch.Tensor, current: torch.Tensor, num_slots: int,
+                 num_evicted: int, layers: slice = slice(None)) -> torch.Tensor:
         """[S, L, H, num_evicted] ascending slot indices each head drops of its first num_slots (of
         the model's layers `layers`), by the sequences' common rule: the lowest priorities, ties by position."""
-        held = self._held(seqs, tables, num_slots, num_evicted=num_evicted, layers=layers)
+        held = self._held(seqs, tables, current, num_slots, num_evicted=num_evicted, layers=layers)
         return lowest(seqs[0].method.keep_priority(held), held.positions, num_evicted)
 
-    def _own_pages(self, seqs: list[Sequence], num_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Uneven sequences' pages [S, L, Hkv, W] and pairs per head [S, L, Hkv] when each holds
-        its num_slots slots (per head on average): their rows of the head tables, where a
-        sequence's first eviction first writes its blocks' pages."""
+    def _own_host(self, seqs: list[Sequence], num_slots: list[int]) -> dict[str, np.ndarray]:
+        """The host's part of uneven sequences' own pages when each holds its num_slots slots (per
+        head on average): their rows of the head tables (HeadTables.rows). A sequence's first
+        eviction first writes its blocks' pages there (_own_pages), and its OwnPages starts here."""
+        host = {}
         fresh = [i for i, seq in enumerate(seqs) if seq.own_pages is None]
         if fresh:
-            owns = [OwnPages(seqs[i].block_table.row, 0, num_slots[i]) for i in fresh]
-            tables = self._tables([seqs[i] for i in fresh], max(own.slots for own in owns))
-            lens = kernels.from_host(np.array([own.slots for own in owns], dtype=np.int32), self.device)
-            self.head_tables.write(owns, tables, lens[:, None, None].expand(tables.shape[:3]))
-            for i, own in zip(fresh, owns):
-                seqs[i].own_pages = own
-        return self.head_tables.read([seq.own_pages for seq in seqs], num_slots)
+            slots = max(num_slots[i] for i in fresh)
+            host.update(fresh_blocks=self._blocks([seqs[i] for i in fresh], slots),
+                        fresh_lens=np.array([num_slots[i] for i in fresh], dtype=np.int32),
+                        fresh_rows=np.array([seqs[i].block_table.row for i in fresh], dtype=np.int64))
+            for i in fresh:
+                seqs[i].own_pages = OwnPages(seqs[i].block_table.row, -(-slots // self.block_size), num_slots[i])
+        host["own_rows"], _ = self.head_tables.rows([seq.own_pages for seq in seqs], num_slots)
+        return host
 
-    def _evict_pages(self, evictions: list[Eviction]) -> None:
+    def _own_pages(self, seqs: list[Sequence], on_device: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Uneven sequences' pages [S, L, Hkv, W] and pairs per head [S, L, Hkv] (_own_host's rows
+        on the device), their first eviction's rows written first."""
+        if "fresh_blocks" in on_device:
+            tables = self.cache.pages(on_device["fresh_blocks"])
+            self.head_tables.write(on_device["fresh_rows"], tables,
+                                   on_device["fresh_lens"][:, None, None].expand(tables.shape[:3]))
+        return self.head_tables.gather(on_device["own_rows"], max(seq.own_pages.width for seq in seqs))
+
+    def _pages_host(self, evictions: list[Eviction]) -> dict[str, np.ndarray]:
+        """What _evict_pages reads from the host: the sequences' own rows (_own_host), their
+        blocks, positions (_host) and pairs kept per head, and what they keep of their blocks
+        (_blocks_kept: planned, a split model's ranks may keep more)."""
+        seqs = [e.seq for e in evictions]
+        host = self._own_host(seqs, [e.num_slots for e in evictions])
+        host.update(self._host(seqs, max(len(seq.block_table) for seq in seqs) * self.block_size),
+                    kept=np.array([e.num_slots - e.num_evicted for e in evictions], dtype=np.int64))
+        return host | self._blocks_kept(evictions)
+
+    def _blocks_kept(self, evictions: list[Eviction]) -> dict[str, np.ndarray]:
+        """The blocks each sequence keeps, and each head's share of their unused pages: the room its
+        tokens until the next eviction take (what the blocks kept hold beyond the pairs kept)."""
+        kept = np.array([e.num_blocks_kept for e in evictions], dtype=np.int64)
+        return dict(blocks_kept=kept,
+                    room=kept - np.array([(e.num_slots - e.num_evicted) // self.block_size for e in evictions]))
+
+    def _evict_pages(self, evictions: list[Eviction], on_device: dict[str, torch.Tensor]) -> None:
         """KV-Compress: each sequence's heads go down to num_slots - num_evicted pairs each on
         average by giving up whole pages, chosen across all its heads and layers by the ranking;
         each head's survivors fill its holes (MoveCache), and its pages in blocks the sequence
         gives back after this step move into the blocks it keeps, whose unused pages are shared
         out among the heads. The pages' costs are computed a piece at a time, then chosen over
         all of a sequence's, then each piece's pairs moved: the same torch ops whatever the
-        sequences hold and drop."""
+        sequences hold and drop. on_device: _pages_host's values."""
         seqs = [e.seq for e in evictions]
-        num_slots = [e.num_slots for e in evictions]
-        tables, lens = self._own_pages(seqs, num_slots)
+        tables, lens = self._own_pages(seqs, on_device)
         S, L, H, width = tables.shape
         method, bs, n = seqs[0].method, self.block_size, width * self.block_size
         num_kept = [e.num_slots - e.num_evicted for e in evictions]
@@ -243,16 +286,15 @@ class Evictor:
         pieces = self._pieces(S, method, n, num_moved=min(L * H * n, max(most_moved)))
 
         def ordered(in_piece: slice, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
-            held = self._held(seqs[in_piece], tables[in_piece, layers], n, lens[in_piece, layers], layers=layers,
-                              num_kept=num_kept[in_piece])
+            held = self._held(seqs[in_piece], tables[in_piece, layers], on_device["current"][in_piece], n,
+                              lens[in_piece, layers], layers=layers, num_kept=num_kept[in_piece])
             return eviction_order(method.keep_priority(held), held.positions, lens[in_piece, layers], bs)
         pages_held = held_pages(lens, bs)
         costs = torch.empty(S, L, H, width, device=self.device)
         for in_piece, layers in pieces:
             last = ordered(in_piece, layers)
             costs[in_piece, layers] = page_costs(last[1], lens[in_piece, layers], bs, method.floor_pages(bs))
-        kept = kernels.from_host(num_kept, self.device)
-        evicted = self._choose_pages(costs, lens, kept, evictions)
+        evicted = self._choose_pages(costs, lens, on_device["kept"], evictions)
         kept_lens = torch.empty_like(lens)
         for in_piece, layers in pieces:
             order = (last if len(pieces) == 1 else ordered(in_piece, layers))[0]   # one piece: ordered once
@@ -268,28 +310,28 @@ class Evictor:
             held = torch.arange(width, device=self.device) < pages_held[..., None]
             self.cache.scores.index_fill_(0, torch.where(held, tables, tables[..., :1]).flatten().long(), 0.0)
         kept_pages, kept_lens = pages_held - evicted, kept_lens.int()
-        blocks_kept = [e.num_blocks_kept for e in evictions]
-        staying = self._tables(seqs, max(blocks_kept) * bs)   # [S, L, H, nb]: the pages of the blocks each keeps
+        blocks_kept = self._blocks_kept(evictions)
+        if self.shard.size > 1:   # its ranks may keep more blocks than planned (_choose_pages)
+            on_device.update(self._on_device(blocks_kept))
+        staying = self.cache.pages(on_device["blocks"])   # [S, L, H, nb]: the pages of the blocks each holds
         column = torch.arange(staying.shape[-1], device=self.device)
-        staying = torch.where(column < kernels.from_host(blocks_kept, self.device)[:, None, None, None], staying,
+        staying = torch.where(column < on_device["blocks_kept"][:, None, None, None], staying,
                               -1).flatten(1)   # -1: not a block it keeps
         # A head's pages all lie in its sequence's blocks: those leaving lie in the blocks given back.
         given_back = [(len(e.seq.block_table) - e.num_blocks_kept) * L * H for e in evictions]
-        # Each head's share of the unused pages: the room its tokens until the next eviction take
-        # (what the blocks kept hold beyond the pairs kept). A head keeps at most the pages it held.
-        room = [e.num_blocks_kept - (e.num_slots - e.num_evicted) // bs for e in evictions]
+        room = blocks_kept["room"].tolist()
         for start, stop in dict.fromkeys((in_piece.start, in_piece.stop) for in_piece, _ in pieces):
             part = slice(start, stop)   # whole sequences, as many as a piece holds
             width = max(seq.own_pages.width + pages for seq, pages in zip(seqs[part], room[part]))
             part_tables, src, dst, widths = repage(tables[part], kept_pages[part], staying[part], max(given_back[part]),
-                                                   len(self.cache.positions),
-                                                   kernels.from_host(room[part], self.device), width)
+                                                   len(self.cache.positions), on_device["room"][part], width)
             for buffer in self.cache.per_slot:
                 buffer[dst] = buffer[src]
             self.moved_pairs += (src != dst).sum() * bs
             for seq in seqs[part]:
                 seq.own_pages.slots = seq.num_kv_slots
-            self.head_tables.write([seq.own_pages for seq in seqs[part]], part_tables, kept_lens[part], widths)
+            self.head_tables.write(on_device["own_rows"][0, part], part_tables, kept_lens[part],
+                                   [seq.own_pages for seq in seqs[part]], widths)
 
     def _choose_pages(self, costs: torch.Tensor, lens: torch.Tensor, kept_slots: torch.Tensor,
                       evictions: list[Eviction]) -> torch.Tensor:
@@ -324,15 +366,17 @@ class Evictor:
         (the engine evicts before the next chunk): it is applied."""
         n = seq.num_kv_slots
         if seq.method.uneven:
-            tables, lens = (x[0] for x in self._own_pages([seq], [n]))
+            tables, lens = (x[0] for x in self._own_pages([seq], self._on_device(self._own_host([seq], [n]))))
             positions = read_slots(self.cache.positions, tables[None], tables.shape[-1] * self.block_size)[0]
             slot = torch.arange(positions.shape[-1], device=self.device)
             end = torch.iinfo(positions.dtype).max   # a head's empty slots: after its pairs, then -1
             ordered = positions.masked_fill(slot >= lens[..., None], end).sort(dim=-1).values
             return ordered.masked_fill(ordered == end, -1)[..., :int(lens.max())].cpu()
-        tables = self._tables([seq], n)
+        on_device = self._on_device(self._host([seq], n))
+        tables = self.cache.pages(on_device["blocks"])
         pending = seq.method.schedule.evict_count(seq) if seq.method.schedule.evicts_eagerly else 0
         positions = read_slots(self.cache.positions, tables, n)
         if pending:
-            positions = positions.scatter(-1, self._evicted([seq], tables, n, pending), torch.iinfo(torch.int32).max)
+            evicted = self._evicted([seq], tables, on_device["current"], n, pending)
+            positions = positions.scatter(-1, evicted, torch.iinfo(torch.int32).max)
         return positions.sort(dim=-1).values[..., :n - pending][0].cpu()

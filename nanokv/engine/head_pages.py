@@ -63,36 +63,30 @@ class HeadTables:
         self.tables = torch.zeros(*shape, 0, dtype=torch.int32, device=device)
         self.lens = torch.zeros(shape, dtype=torch.int32, device=device)
 
-    def read(self, owns: list[OwnPages], num_slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of owns [S, L, Hkv, W] (W the widest; a narrower row's extra columns name
-        pages it never reads) and each head's pairs [S, L, Hkv] when its sequence holds num_slots."""
-        rows, width = self.rows(owns, num_slots)
-        return self.gather(kernels.from_host(rows, self.lens.device), width)
-
     @staticmethod
     def rows(owns: list[OwnPages], num_slots: list[int]) -> tuple[np.ndarray, int]:
-        """read's host part: the rows of owns and the pairs each head has taken since [2, S], and
-        the widest row's width."""
+        """The host's part of reading the rows of owns when their sequences hold num_slots: the
+        rows and the pairs each head has taken since [2, S] (for gather), and the widest row's width."""
         owns = [own.landed() for own in owns]
         return (np.array([[own.row for own in owns], [n - own.slots for own, n in zip(owns, num_slots)]]),
                 max(own.width for own in owns))
 
     def gather(self, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """read's device part, rows (HeadTables.rows) on the device."""
+        """The rows (HeadTables.rows, on the device) [S, L, Hkv, width] (a narrower row's extra
+        columns name pages it never reads) and each head's pairs [S, L, Hkv]."""
         return self.tables[rows[0], :, :, :width], self.lens[rows[0]] + rows[1][:, None, None].to(torch.int32)
 
-    def write(self, owns: list[OwnPages], tables: torch.Tensor, lens: torch.Tensor,
+    def write(self, rows: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, owns: list[OwnPages] = (),
               widths: torch.Tensor | None = None) -> None:
-        """Rows of owns := tables [S, L, Hkv, w] and lens [S, L, Hkv] (int32); each own's width
-        becomes w, made exact by its entry of widths [S] (the device's, if given) once they land
-        (unless an earlier eviction's have yet to: those first)."""
+        """Rows rows [S] (on the device) := tables [S, L, Hkv, w] and lens [S, L, Hkv] (int32); each
+        of owns (theirs, on the host) gets width w, made exact by its entry of widths [S] (the
+        device's, if given) once they land (unless an earlier eviction's have yet to: those first)."""
         w = tables.shape[-1]
         if w > self.tables.shape[-1]:
             grown = torch.zeros(*self.tables.shape[:3], max(w, 2 * self.tables.shape[-1]), dtype=torch.int32,
                                 device=self.tables.device)
             grown[..., :self.tables.shape[-1]] = self.tables
             self.tables = grown
-        rows = kernels.from_host(np.array([own.row for own in owns], dtype=np.int64), self.lens.device)
         self.tables[rows, :, :, :w] = tables
         self.lens[rows] = lens
         landing = None if widths is None else Landing(widths)
@@ -114,4 +108,4 @@ class HeadTables:
             return
         tables, lens = own.kept
         own.row, own.kept = row, None
-        self.write([own], moved(tables)[None], lens[None])
+        self.write(kernels.from_host(np.array([row]), self.lens.device), moved(tables)[None], lens[None], [own])

@@ -150,8 +150,9 @@ def test_eviction_in_small_pieces_keeps_the_same_pairs(tiny_dir, monkeypatch, kv
         monkeypatch.setattr(evict, "PIECE_BYTES", piece_bytes)
         llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=160)
         original = llm.runner.evictor._held
-        monkeypatch.setattr(llm.runner.evictor, "_held", lambda seqs, tables, n, lens=None, **rest: held.append(
-            (piece_bytes, tables.shape[:3], n)) or original(seqs, tables, n, lens, **rest))
+        monkeypatch.setattr(llm.runner.evictor, "_held", lambda seqs, tables, current, n, lens=None, **rest:
+                            held.append((piece_bytes, tables.shape[:3], n)) or original(seqs, tables, current, n, lens,
+                                                                                        **rest))
         runs.append([(o.token_ids, o.kept_positions.tolist()) for o in llm.generate(prompts, params)])
     assert runs[0] == runs[1]
     H = llm.model_config.num_kv_heads

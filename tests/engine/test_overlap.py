@@ -139,30 +139,42 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
     tables and the rows of heads' own pages, the rows sampled, the score settings, where its
     pending tokens come from) reaches the device in one copy: prompt chunks and decodes, full,
     windowed, squared and skipping scores in one batch, heads with pages of their own
-    (kvcompress, once it has evicted) beside those reading their blocks'."""
+    (kvcompress, once it has evicted) beside those reading their blocks'. So does what a step's
+    evictions read (blocks, positions, own rows, pairs and blocks kept), whatever evicts in it:
+    kvcompress's first eviction and later ones, batchmax's and snapkv's."""
     llm = engine(tiny_dir, True, num_kv_blocks=160, max_num_batched_tokens=48)
-    steps, inside, prepare, from_host = [], [False], llm.runner.prepare, kernels.from_host
+    steps, inside, from_host = [], [False], kernels.from_host
 
     def counting(values, device):
         steps[-1][0] += inside[0]
         return from_host(values, device)
 
-    def preparing(batch, cache=None):
-        steps.append([0, any(seq.own_pages is not None for seq in batch.seqs)])
-        inside[0] = True
-        try:
-            return prepare(batch, cache)
-        finally:
-            inside[0] = False
+    def counted(name, phase, batch_of):   # phase's copies counted, and whether its sequences have own pages
+        def run(*args):
+            batch = batch_of(*args)
+            steps.append([0, name, {seq.own_pages is not None for seq in batch}])
+            inside[0] = True
+            try:
+                return phase(*args)
+            finally:
+                inside[0] = False
+        return run
     monkeypatch.setattr(kernels, "from_host", counting)
-    monkeypatch.setattr(llm.runner, "prepare", preparing)
+    monkeypatch.setattr(llm.runner, "prepare", counted("prepare", llm.runner.prepare, lambda batch, cache=None: batch.seqs))
+    monkeypatch.setattr(llm.runner.evictor, "evict", counted("evict", llm.runner.evictor.evict,
+                                                             lambda evictions: [e.seq for e in evictions]))
     evicts = dict(kv_budget=32, evict_every=16, max_tokens=40, temperature=0, ignore_eos=True)
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
               SamplingParams(kv_method="batchmax", **evicts), SamplingParams(kv_method="snapkv", kv_window=8, **evicts),
-              SamplingParams(kv_method="kvcompress", kv_score_all=True, kv_window=8, **evicts)]
-    llm.generate(preemption_prompts()[:4], params)
-    assert any(own for _, own in steps) and any(not own for _, own in steps)
-    assert all(copies == 1 for copies, _ in steps)
+              *[SamplingParams(kv_method="kvcompress", kv_score_all=True, kv_window=8, **evicts)] * 3]
+    llm.generate(preemption_prompts(), params)
+    prepares = [(copies, own) for copies, name, own in steps if name == "prepare"]
+    evictions = [(copies, own) for copies, name, own in steps if name == "evict" and own]
+    assert {True, False} in [own for _, own in prepares] and {False} in [own for _, own in prepares]
+    assert all(copies == 1 for copies, _ in prepares)
+    # kvcompress's first eviction beside a later one; the uniform methods' (batchmax and snapkv in one step)
+    assert {True, False} in [own for _, own in evictions] and {False} in [own for _, own in evictions]
+    assert all(copies == 1 for copies, _ in evictions)
 
 
 def test_arrays_copied_together_come_back_as_they_were_each_at_a_16_byte_boundary():

@@ -155,12 +155,12 @@ def test_a_width_that_lands_late_keeps_what_evictions_added_since(monkeypatch):
     own, lens = OwnPages(row=1, width=0, slots=0), torch.zeros(1, 1, 1, dtype=torch.int32)
 
     def evicted(width: int, widest: int) -> int:   # the width a read then takes
-        head_tables.write([own], torch.arange(width, dtype=torch.int32).view(1, 1, 1, width), lens,
-                          torch.tensor([widest]))
-        return head_tables.read([own], [0])[0].shape[-1]
+        head_tables.write(torch.tensor([1]), torch.arange(width, dtype=torch.int32).view(1, 1, 1, width), lens,
+                          [own], torch.tensor([widest]))
+        return head_tables.rows([own], [0])[1]
     assert evicted(6, 4) == 6 and evicted(8, 5) == 8   # bounds, while nothing lands
     blocked[0] = False
-    assert head_tables.read([own], [0])[0].shape[-1] == 4 + 8 - 6   # the first landed: 4, and 2 added since
+    assert head_tables.rows([own], [0])[1] == 4 + 8 - 6   # the first landed: 4, and 2 added since
     assert evicted(9, 3) == 3 and head_tables.tables.shape[-1] == 12   # landed at once; the table grew
 
 
