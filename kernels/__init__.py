@@ -28,7 +28,7 @@ from kernels.attention.decode import (MIN_SPLIT, DecodeWorkspace, decode_workspa
 from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
 from kernels.attention.prefill import PREFILL_BLOCK_M, paged_attention_triton, prefill_tiles
 from kernels.attention.reference import paged_attention_ref
-from kernels.compact import move_slots
+from kernels.compact import move_slots_ref, move_slots_triton
 from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.linear_cpu import PackedLinear, can_prepack, prepack_linears
@@ -46,12 +46,14 @@ class Ops(NamedTuple):
     rms_norm: Callable
     add_rms_norm: Callable
     apply_rope: Callable
+    move_slots: Callable
 
 
 _OPS = {
-    "torch": Ops(silu_and_mul_ref, store_kv_ref, rms_norm_ref, add_rms_norm_ref, apply_rope_ref),
-    "cpu": Ops(silu_and_mul_ref, store_kv_cpu, rms_norm_ref, add_rms_norm_ref, apply_rope_cpu),
-    "triton": Ops(silu_and_mul_triton, store_kv_triton, rms_norm_triton, add_rms_norm_triton, apply_rope_triton),
+    "torch": Ops(silu_and_mul_ref, store_kv_ref, rms_norm_ref, add_rms_norm_ref, apply_rope_ref, move_slots_ref),
+    "cpu": Ops(silu_and_mul_ref, store_kv_cpu, rms_norm_ref, add_rms_norm_ref, apply_rope_cpu, move_slots_ref),
+    "triton": Ops(silu_and_mul_triton, store_kv_triton, rms_norm_triton, add_rms_norm_triton, apply_rope_triton,
+                  move_slots_triton),
 }
 _forced: str | None = None
 
@@ -113,6 +115,10 @@ def from_host(values, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
 
 
+_TORCH_DTYPES = {np.dtype(t): getattr(torch, t) for t in ("bool", "uint8", "int8", "int16", "int32", "int64",
+                                                           "float16", "float32", "float64")}
+
+
 def from_host_many(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Host arrays on device in one copy (from_host's): their bytes end to end, and each array
     a view of what arrived, with its dtype and shape. Each starts at a multiple of 16 bytes, as
@@ -122,8 +128,8 @@ def from_host_many(arrays: list[np.ndarray], device: torch.device) -> list[torch
     for array, start in zip(arrays, starts):
         packed[start:start + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     arrived = from_host(packed, device)
-    return [arrived[start:start + a.nbytes].view(torch.from_numpy(np.empty(0, a.dtype)).dtype).view(a.shape)
-            for a, start in zip(arrays, starts)]
+    views = [arrived[start:start + a.nbytes].view(_TORCH_DTYPES[a.dtype]) for a, start in zip(arrays, starts)]
+    return [view if a.ndim == 1 else view.view(a.shape) for a, view in zip(arrays, views)]
 
 
 def to_host(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:
@@ -144,6 +150,19 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def store_kv(k, v, k_cache, v_cache, pos_cache, score_cache, slot_mapping, positions, kv_scales=None) -> None:
     _ops(k).store_kv(k, v, k_cache, v_cache, pos_cache, score_cache, slot_mapping, positions, kv_scales=kv_scales)
+
+
+def move_slots(buffers: tuple[torch.Tensor, ...], tables: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Slots of heads moved in every per-slot buffer of the cache (kernels/compact.py)."""
+    _ops(tables).move_slots(buffers, tables, src, dst)
+
+
+def move_pages(buffers: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Whole pages src [S, m] into pages dst [S, m] in every per-slot buffer: the slots of each
+    row's pages moved, its src and dst pages its table."""
+    bs, num_pages = buffers[0].shape[1], src.shape[-1]
+    slots = torch.arange(num_pages * bs, device=src.device)
+    _ops(src).move_slots(buffers, torch.cat([src, dst], dim=-1), slots[None], slots[None] + num_pages * bs)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -365,7 +384,8 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
 
 
 __all__ = ["BACKENDS", "QUANT_MAX", "DecodeWorkspace", "PackedLinear", "StepPlan", "add_rms_norm", "apply_rope",
-           "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits",
-           "decode_partials", "decode_wave", "decode_workspace_for", "dequantize", "forced_backend", "logits_scratch",
-           "long_rope_rows", "move_slots", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits", "prefill_wave", "prefill_split_bytes", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
-           "set_backend", "silu_and_mul", "split_count", "store_kv"]
+           "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits", "decode_partials",
+           "decode_wave", "decode_workspace_for", "dequantize", "forced_backend", "logits_scratch", "long_rope_rows",
+           "move_pages", "move_slots", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits",
+           "prefill_wave", "prefill_split_bytes", "prepack_linears", "rms_norm", "rope_cos_sin_cache",
+           "scratch_bytes_per_slot", "set_backend", "silu_and_mul", "split_count", "store_kv"]

@@ -226,7 +226,16 @@ def _store_case(shape: str, dtype: str, cache: str) -> Callable[[], None]:
         store_kv_triton(k, v, k_cache, torch.zeros_like(k_cache), torch.zeros(8, 16, dtype=torch.int32),
                         torch.zeros(8, 16), torch.zeros(4, hkv, dtype=torch.long), torch.zeros(4, dtype=torch.long),
                         kv_scales=torch.zeros(8, 16, 2))
+        _move_case(k_cache, torch.zeros(8, 16, 2))
     return run
+
+
+def _move_case(k_cache: torch.Tensor, *scales: torch.Tensor) -> None:
+    """Eviction's moves of a head's slots, in every per-slot buffer of a cache whose K is k_cache."""
+    from kernels.compact import move_slots_triton
+    moves = torch.zeros(2, 3, 5, dtype=torch.long)
+    move_slots_triton((k_cache, torch.zeros_like(k_cache), torch.zeros(8, 16, dtype=torch.int32), torch.zeros(8, 16),
+                       *scales), torch.zeros(2, 3, 4, dtype=torch.int32), moves, moves)
 
 
 def _elementwise_case(shape: str, dtype: str) -> Callable[[], None]:
@@ -249,6 +258,7 @@ def _elementwise_case(shape: str, dtype: str) -> Callable[[], None]:
         store_kv_triton(k, v, k_cache, torch.zeros_like(k_cache), torch.zeros(8, 16, dtype=torch.int32),
                         torch.zeros(8, 16), torch.zeros(tokens, hkv, dtype=torch.long),
                         torch.zeros(tokens, dtype=torch.long))
+        _move_case(k_cache)
     return run
 
 

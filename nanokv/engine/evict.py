@@ -325,8 +325,7 @@ class Evictor:
             width = max(seq.own_pages.width + pages for seq, pages in zip(seqs[part], room[part]))
             part_tables, src, dst, widths = repage(tables[part], kept_pages[part], staying[part], max(given_back[part]),
                                                    len(self.cache.positions), on_device["room"][part], width)
-            for buffer in self.cache.per_slot:
-                buffer[dst] = buffer[src]
+            kernels.move_pages(self.cache.per_slot, src, dst)
             self.moved_pairs += (src != dst).sum() * bs
             for seq in seqs[part]:
                 seq.own_pages.slots = seq.num_kv_slots

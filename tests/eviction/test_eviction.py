@@ -4,6 +4,7 @@ import torch
 
 import kernels
 from helpers import VOCAB
+from kernels.compact import move_slots_ref, move_slots_triton
 from nanokv import LLM, SamplingParams
 from nanokv.config import EngineConfig
 from nanokv.eviction.settings import method_for
@@ -153,6 +154,26 @@ def test_evicting_engine_on_triton_kernels_matches_references(tiny_dir):
         for ref, out in zip(results["torch"], results[backend]):
             assert out.token_ids == ref.token_ids, backend
             assert torch.equal(out.kept_positions, ref.kept_positions), backend
+
+
+def test_the_moves_an_eviction_makes_are_the_triton_kernel_s_too(tiny_dir, monkeypatch):
+    """Every move_slots call of evictions (batchmax's holes, kvcompress's packed moves and its
+    pages moved whole), made on the CPU backend, is made again by the Triton kernel in the
+    interpreter on a copy of the cache: the same bytes everywhere."""
+    calls = []
+
+    def both(buffers, tables, src, dst):
+        copies = [b.clone() for b in buffers]
+        move_slots_triton(copies, tables, src, dst)
+        move_slots_ref(buffers, tables, src, dst)
+        calls.append(src.shape)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(copies, buffers))
+    monkeypatch.setitem(kernels._OPS, "cpu", kernels._OPS["cpu"]._replace(move_slots=both))
+    llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (60, 75, 50)]
+    llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=m, kv_budget=32,
+                                          evict_every=16) for m in ("batchmax", "kvcompress", "kvcompress")])
+    assert len({len(shape) for shape in calls}) == 2 and len(calls) > 6   # heads' moves [S, L, H, k], sequences' [S, m]
 
 
 def test_plot_of_kept_positions_is_written(llm, tmp_path):

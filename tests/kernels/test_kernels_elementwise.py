@@ -11,13 +11,16 @@ import os
 import pytest
 import torch
 
+import kernels
 from helpers import KERNEL_DEVICE
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.compact import move_slots_ref, move_slots_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
+from nanokv.eviction.holes import hole_moves
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (rtol, atol): a one-ulp disagreement in rounding must pass, anything more must not.
@@ -177,6 +180,64 @@ def test_store_kv(case, dtype):
 def test_store_kv_cpu_backend(case, dtype, padding):
     """The CPU backend's flat writes (no padding) and its fallback to the reference (padding)."""
     check_store_kv(*case, dtype, "cpu", store=store_kv_cpu, padding=padding)
+
+
+def per_slot_buffers(kv_dtype: torch.dtype, head_dim: int, num_pages: int = 40, bs: int = 4) -> list[torch.Tensor]:
+    """K, V, positions, scores and (a quantized cache) scales, as KVCache.per_slot, of random contents."""
+    shape = (num_pages, bs, head_dim)
+    kv = [torch.randint(-128, 128, shape, dtype=torch.int8).view(kv_dtype) if kv_dtype.itemsize == 1
+          else torch.randn(shape).to(kv_dtype) for _ in range(2)]
+    scales = [torch.rand(num_pages, bs, 2)] if kv_dtype.itemsize == 1 else []
+    return [*kv, torch.randint(0, 10**6, (num_pages, bs), dtype=torch.int32), torch.randn(num_pages, bs), *scales]
+
+
+def as_bytes(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [b.view(torch.uint8) for b in buffers]
+
+
+MOVE_CASES = [(torch.bfloat16, 64), (torch.float32, 16), (torch.int8, 6), (torch.float8_e4m3fn, 16)]
+
+
+@pytest.mark.parametrize("kv_dtype, head_dim", MOVE_CASES)
+def test_moving_slots_moves_every_buffer_as_the_reference(kv_dtype, head_dim):
+    """One launch for K, V, positions, scores and a quantized cache's scales (rows of bytes where
+    a row is no whole number of words): survivors into holes, heads in leading dimensions, the
+    moves that are not valid a slot onto itself (nanokv/eviction/holes.py)."""
+    with torch.device(KERNEL_DEVICE):
+        buffers = per_slot_buffers(kv_dtype, head_dim)
+        tables = torch.randperm(40)[:2 * 3 * 3].view(2, 3, 3).int()   # 2 sequences, 3 heads, 3 pages each
+        evicted = torch.rand(2, 3, 12).argsort(dim=-1)[..., :5].sort(dim=-1).values
+        src, dst, valid = hole_moves(evicted, 12)
+        assert valid.any() and not valid.all()
+        original, expected = [b.clone() for b in buffers], [b.clone() for b in buffers]
+        move_slots_ref(expected, tables, src, dst)
+        move_slots_triton(buffers, tables, src, dst)
+        assert all(torch.equal(a, b) for a, b in zip(as_bytes(buffers), as_bytes(expected)))
+        assert not any(torch.equal(a, b) for a, b in zip(as_bytes(buffers), as_bytes(original)))
+
+
+@pytest.mark.parametrize("kv_dtype, head_dim", MOVE_CASES[::3])
+def test_moving_pages_moves_their_every_slot(kv_dtype, head_dim):
+    """kernels.move_pages on each backend: page src[s, i]'s slots into page dst[s, i], in every
+    buffer, a page moved onto itself left as it is."""
+    with torch.device(KERNEL_DEVICE):
+        buffers = per_slot_buffers(kv_dtype, head_dim)
+        pages = torch.randperm(40)[:12].view(2, 6)
+        src, dst = pages[:, :3].clone(), pages[:, 3:].clone()
+        dst[1, 2] = src[1, 2]   # onto itself
+        expected = [b.clone() for b in buffers]
+        for buffer in expected:
+            buffer[dst] = buffer[src]
+        before = kernels.forced_backend()
+        for backend in ("torch", "triton"):
+            moved = [b.clone() for b in buffers]
+            try:
+                kernels.set_backend(backend)
+                kernels.move_pages(moved, src, dst)
+            finally:
+                kernels.set_backend(before)
+            assert all(torch.equal(a, b) for a, b in zip(as_bytes(moved), as_bytes(expected))), backend
+        assert not any(torch.equal(a, b) for a, b in zip(as_bytes(buffers), as_bytes(expected)))
 
 
 def test_bad_inputs_are_refused():
