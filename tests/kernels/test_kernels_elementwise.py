@@ -185,10 +185,11 @@ def test_store_kv_cpu_backend(case, dtype, padding):
 def per_slot_buffers(kv_dtype: torch.dtype, head_dim: int, num_pages: int = 40, bs: int = 4) -> list[torch.Tensor]:
     """K, V, positions, scores and (a quantized cache) scales, as KVCache.per_slot, of random contents."""
     shape = (num_pages, bs, head_dim)
-    kv = [torch.randint(-128, 128, shape, dtype=torch.int8).view(kv_dtype) if kv_dtype.itemsize == 1
-          else torch.randn(shape).to(kv_dtype) for _ in range(2)]
-    scales = [torch.rand(num_pages, bs, 2)] if kv_dtype.itemsize == 1 else []
-    return [*kv, torch.randint(0, 10**6, (num_pages, bs), dtype=torch.int32), torch.randn(num_pages, bs), *scales]
+    with torch.device(KERNEL_DEVICE):
+        kv = [torch.randint(-128, 128, shape, dtype=torch.int8).view(kv_dtype) if kv_dtype.itemsize == 1
+              else torch.randn(shape).to(kv_dtype) for _ in range(2)]
+        scales = [torch.rand(num_pages, bs, 2)] if kv_dtype.itemsize == 1 else []
+        return [*kv, torch.randint(0, 10**6, (num_pages, bs), dtype=torch.int32), torch.randn(num_pages, bs), *scales]
 
 
 def as_bytes(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
