@@ -319,7 +319,7 @@ class Evictor:
                               -1).flatten(1)   # -1: not a block it keeps
         # A head's pages all lie in its sequence's blocks: those leaving lie in the blocks given back.
         given_back = [(len(e.seq.block_table) - e.num_blocks_kept) * L * H for e in evictions]
-        room = blocks_kept["room"].tolist()
+        room = blocks_kept["room"].tolist()   # each head's share of the unused pages: at most this many more
         for start, stop in dict.fromkeys((in_piece.start, in_piece.stop) for in_piece, _ in pieces):
             part = slice(start, stop)   # whole sequences, as many as a piece holds
             width = max(seq.own_pages.width + pages for seq, pages in zip(seqs[part], room[part]))

@@ -141,7 +141,7 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
     windowed, squared and skipping scores in one batch, heads with pages of their own
     (kvcompress, once it has evicted) beside those reading their blocks'. So does what a step's
     evictions read (blocks, positions, own rows, pairs and blocks kept), whatever evicts in it:
-    kvcompress's first eviction and later ones, batchmax's and snapkv's."""
+    kvcompress's first eviction and later ones, batchmax's, snapkv's, several methods at once."""
     llm = engine(tiny_dir, True, num_kv_blocks=160, max_num_batched_tokens=48)
     steps, inside, from_host = [], [False], kernels.from_host
 
@@ -160,7 +160,8 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
                 inside[0] = False
         return run
     monkeypatch.setattr(kernels, "from_host", counting)
-    monkeypatch.setattr(llm.runner, "prepare", counted("prepare", llm.runner.prepare, lambda batch, cache=None: batch.seqs))
+    monkeypatch.setattr(llm.runner, "prepare", counted("prepare", llm.runner.prepare,
+                                                       lambda batch, cache=None: batch.seqs))
     monkeypatch.setattr(llm.runner.evictor, "evict", counted("evict", llm.runner.evictor.evict,
                                                              lambda evictions: [e.seq for e in evictions]))
     evicts = dict(kv_budget=32, evict_every=16, max_tokens=40, temperature=0, ignore_eos=True)
@@ -172,7 +173,7 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
     evictions = [(copies, own) for copies, name, own in steps if name == "evict" and own]
     assert {True, False} in [own for _, own in prepares] and {False} in [own for _, own in prepares]
     assert all(copies == 1 for copies, _ in prepares)
-    # kvcompress's first eviction beside a later one; the uniform methods' (batchmax and snapkv in one step)
+    # heads with pages of their own beside those without (kvcompress's first eviction), and without any
     assert {True, False} in [own for _, own in evictions] and {False} in [own for _, own in evictions]
     assert all(copies == 1 for copies, _ in evictions)
 
