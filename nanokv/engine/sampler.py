@@ -141,18 +141,23 @@ class Sampler:
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
             return greedy
-        device = logits.device
-        temperature = kernels.from_host([p.temperature or 1.0 for p in params], device)
-        probs = (logits / temperature[:, None]).softmax(dim=-1)
+        vocab = logits.shape[-1]
+        host = dict(temperature=np.array([p.temperature or 1.0 for p in params], dtype=np.float32),
+                    greedy=np.array([p.temperature == 0 for p in params]))
         if any(p.top_k or p.top_p < 1 or p.min_p for p in params):
-            probs = self._truncate(probs, params)
+            host.update(top_k=np.array([p.top_k or vocab for p in params]),
+                        top_p=np.array([p.top_p for p in params], dtype=np.float32),
+                        min_p=np.array([p.min_p for p in params], dtype=np.float32))
+        rows = dict(zip(host, kernels.from_host_many(list(host.values()), logits.device)))   # in one copy
+        probs = (logits / rows["temperature"][:, None]).softmax(dim=-1)
+        if "top_k" in rows:
+            probs = self._truncate(probs, rows["top_k"], rows["top_p"], rows["min_p"])
         races = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in enumerate(generators):
             if gen is not None:
                 races[row].exponential_(generator=gen)
         sampled = (probs / races).argmax(dim=-1)
-        is_greedy = kernels.from_host([p.temperature == 0 for p in params], device)
-        return torch.where(is_greedy, greedy, sampled)
+        return torch.where(rows["greedy"], greedy, sampled)
 
     @staticmethod
     def _penalize(logits: torch.Tensor, params: list[SamplingParams], seqs: list[Sequence] | None,
@@ -192,15 +197,11 @@ class Sampler:
         return logits.index_copy(0, index, penalized)
 
     @staticmethod
-    def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def _truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
         """Zero every token outside each row's top-k and top-p set, and those less likely than
-        min_p times its top token (which always stays)."""
-        device, vocab = probs.device, probs.shape[-1]
-        top_k = kernels.from_host([p.top_k or vocab for p in params], device)
-        top_p = kernels.from_host([p.top_p for p in params], device)
-        min_p = kernels.from_host([p.min_p for p in params], device)
+        min_p times its top token (which always stays): each row's settings [R], on the device."""
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=device)
+        rank = torch.arange(probs.shape[-1], device=probs.device)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop = (rank[None] >= top_k[:, None]) | (mass_before >= top_p[:, None]) \
             | (sorted_probs < min_p[:, None] * sorted_probs[:, :1])

@@ -141,7 +141,8 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
     windowed, squared and skipping scores in one batch, heads with pages of their own
     (kvcompress, once it has evicted) beside those reading their blocks'. So does what a step's
     evictions read (blocks, positions, own rows, pairs and blocks kept), whatever evicts in it:
-    kvcompress's first eviction and later ones, batchmax's, snapkv's, several methods at once."""
+    kvcompress's first eviction and later ones, batchmax's, snapkv's, several methods at once;
+    and each row's sampling settings."""
     llm = engine(tiny_dir, True, num_kv_blocks=160, max_num_batched_tokens=48)
     steps, inside, from_host = [], [False], kernels.from_host
 
@@ -149,23 +150,28 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
         steps[-1][0] += inside[0]
         return from_host(values, device)
 
-    def counted(name, phase, batch_of):   # phase's copies counted, and whether its sequences have own pages
+    def counted(name, phase, marks):   # phase's copies counted, with marks(its arguments), a set
         def run(*args):
-            batch = batch_of(*args)
-            steps.append([0, name, {seq.own_pages is not None for seq in batch}])
+            steps.append([0, name, marks(*args)])
             inside[0] = True
             try:
                 return phase(*args)
             finally:
                 inside[0] = False
         return run
+
+    def own(seqs) -> set[bool]:   # whether each sequence's heads have pages of their own
+        return {seq.own_pages is not None for seq in seqs}
     monkeypatch.setattr(kernels, "from_host", counting)
     monkeypatch.setattr(llm.runner, "prepare", counted("prepare", llm.runner.prepare,
-                                                       lambda batch, cache=None: batch.seqs))
+                                                       lambda batch, cache=None: own(batch.seqs)))
     monkeypatch.setattr(llm.runner.evictor, "evict", counted("evict", llm.runner.evictor.evict,
-                                                             lambda evictions: [e.seq for e in evictions]))
+                                                             lambda evictions: own(e.seq for e in evictions)))
+    monkeypatch.setattr(llm.runner.sampler, "_sample", counted("sample", llm.runner.sampler._sample,
+                                                               lambda logits, params, *rest: {
+                                                                   p.temperature > 0 for p in params}))
     evicts = dict(kv_budget=32, evict_every=16, max_tokens=40, temperature=0, ignore_eos=True)
-    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+    params = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True),
               SamplingParams(kv_method="batchmax", **evicts), SamplingParams(kv_method="snapkv", kv_window=8, **evicts),
               *[SamplingParams(kv_method="kvcompress", kv_score_all=True, kv_window=8, **evicts)] * 3]
     llm.generate(preemption_prompts(), params)
@@ -176,6 +182,9 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
     # heads with pages of their own beside those without (kvcompress's first eviction), and without any
     assert {True, False} in [own for _, own in evictions] and {False} in [own for _, own in evictions]
     assert all(copies == 1 for copies, _ in evictions)
+    sampled = [(copies, random) for copies, name, random in steps if name == "sample"]
+    assert {True, False} in [random for _, random in sampled]   # a random row's temperature, top-k, top-p, min-p
+    assert all(copies == (True in random) for copies, random in sampled)   # greedy rows alone: none
 
 
 def test_arrays_copied_together_come_back_as_they_were_each_at_a_16_byte_boundary():
