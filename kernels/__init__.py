@@ -119,17 +119,19 @@ _TORCH_DTYPES = {np.dtype(t): getattr(torch, t) for t in ("bool", "uint8", "int8
                                                            "float16", "float32", "float64")}
 
 
-def from_host_many(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Host arrays on device in one copy (from_host's): their bytes end to end, and each array
-    a view of what arrived, with its dtype and shape. Each starts at a multiple of 16 bytes, as
-    the allocator's tensors do: Triton compiles a kernel for pointers so aligned."""
-    starts = list(accumulate((-(-a.nbytes // 16) * 16 for a in arrays), initial=0))
+def from_host_many(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Host arrays on device in one copy (from_host's): their bytes end to end, and each array,
+    under its name, a view of what arrived, with its dtype and shape. Each starts at a multiple
+    of 16 bytes, as the allocator's tensors do: Triton compiles a kernel for pointers so aligned."""
+    starts = list(accumulate((-(-a.nbytes // 16) * 16 for a in arrays.values()), initial=0))
     packed = np.empty(max(starts[-1], 16), dtype=np.uint8)   # never empty: an empty tensor's stride is 0
-    for array, start in zip(arrays, starts):
+    for array, start in zip(arrays.values(), starts):
         packed[start:start + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    arrived = from_host(packed, device)
-    views = [arrived[start:start + a.nbytes].view(_TORCH_DTYPES[a.dtype]) for a, start in zip(arrays, starts)]
-    return [view if a.ndim == 1 else view.view(a.shape) for a, view in zip(arrays, views)]
+    arrived, views = from_host(packed, device), {}
+    for (name, a), start in zip(arrays.items(), starts):
+        view = arrived[start:start + a.nbytes].view(_TORCH_DTYPES[a.dtype])
+        views[name] = view if a.ndim == 1 else view.view(a.shape)   # a view less per 1-D array: a step has ~10
+    return views
 
 
 def to_host(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:

@@ -142,9 +142,10 @@ class Evictor:
             groups[(e.seq.method.rule, True) if uneven else (e.seq.method.rule, e.num_slots, e.num_evicted)].append(e)
         parts = [self._pages_host(group) if len(key) == 2 else self._host([e.seq for e in group], key[1])
                  for key, group in groups.items()]
-        arrived = iter(kernels.from_host_many([array for part in parts for array in part.values()], self.device))
-        for ((_, num_slots, *uniform), group), part in zip(groups.items(), parts):
-            on_device = {name: next(arrived) for name in part}
+        arrived = kernels.from_host_many({(i, name): a for i, part in enumerate(parts) for name, a in part.items()},
+                                         self.device)
+        for i, (((_, num_slots, *uniform), group), part) in enumerate(zip(groups.items(), parts)):
+            on_device = {name: arrived[i, name] for name in part}
             if not uniform:
                 self._evict_pages(group, on_device)
                 continue
@@ -177,10 +178,6 @@ class Evictor:
                             num_moved * moved)
         self.num_pieces += len(pieces)
         return pieces
-
-    def _on_device(self, host: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Host arrays on the device, in one copy."""
-        return dict(zip(host, kernels.from_host_many(list(host.values()), self.device)))
 
     def _blocks(self, seqs: list[Sequence], num_slots: int) -> np.ndarray:
         """[S, nb]: the blocks holding the sequences' first num_slots slots (KVCache.pages makes
@@ -312,7 +309,7 @@ class Evictor:
         kept_pages, kept_lens = pages_held - evicted, kept_lens.int()
         blocks_kept = self._blocks_kept(evictions)
         if self.shard.size > 1:   # its ranks may keep more blocks than planned (_choose_pages)
-            on_device.update(self._on_device(blocks_kept))
+            on_device.update(kernels.from_host_many(blocks_kept, self.device))
         staying = self.cache.pages(on_device["blocks"])   # [S, L, H, nb]: the pages of the blocks each holds
         column = torch.arange(staying.shape[-1], device=self.device)
         staying = torch.where(column < on_device["blocks_kept"][:, None, None, None], staying,
@@ -365,13 +362,14 @@ class Evictor:
         (the engine evicts before the next chunk): it is applied."""
         n = seq.num_kv_slots
         if seq.method.uneven:
-            tables, lens = (x[0] for x in self._own_pages([seq], self._on_device(self._own_host([seq], [n]))))
+            own = kernels.from_host_many(self._own_host([seq], [n]), self.device)
+            tables, lens = (x[0] for x in self._own_pages([seq], own))
             positions = read_slots(self.cache.positions, tables[None], tables.shape[-1] * self.block_size)[0]
             slot = torch.arange(positions.shape[-1], device=self.device)
             end = torch.iinfo(positions.dtype).max   # a head's empty slots: after its pairs, then -1
             ordered = positions.masked_fill(slot >= lens[..., None], end).sort(dim=-1).values
             return ordered.masked_fill(ordered == end, -1)[..., :int(lens.max())].cpu()
-        on_device = self._on_device(self._host([seq], n))
+        on_device = kernels.from_host_many(self._host([seq], n), self.device)
         tables = self.cache.pages(on_device["blocks"])
         pending = seq.method.schedule.evict_count(seq) if seq.method.schedule.evicts_eagerly else 0
         positions = read_slots(self.cache.positions, tables, n)

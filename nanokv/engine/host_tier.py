@@ -101,8 +101,9 @@ class HostTier:
         pages = torch.cat(recomputed_pages, dim=1) if recomputed_pages else none
         slots = (pages.long() * bs)[:, :, None] + torch.arange(bs, device=self.device)[:, None]   # [2, n, bs, Hkv]
         as_tensors = [torch.tensor(index, dtype=torch.long) for index in inputs + keep_at]
-        positions, keep_rows = kernels.from_host_many([np.array(inputs[1], dtype=np.int64),
-                                                       np.array(keep_rows, dtype=np.int64)], self.device)
+        positions, keep_rows = kernels.from_host_many(dict(positions=np.array(inputs[1], dtype=np.int64),
+                                                           keep_rows=np.array(keep_rows, dtype=np.int64)),
+                                                      self.device).values()
         rows = rope_rows(np.array(inputs[1], dtype=np.int64), np.array(owners, dtype=np.intp))
         return HostStream(self.cache, torch.tensor(copied, dtype=torch.long),
                           torch.cat(copied_pages, dim=1) if copied_pages else none, tuple(as_tensors[:2]),

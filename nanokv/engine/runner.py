@@ -160,7 +160,7 @@ class ModelRunner:
         if pending:
             self._pending_rows([seqs[i] for i in pending], [cu_seqlens[i] for i in pending], host)
         own_width, max_context_len = self._page_rows(seqs, n, row_seq, from_end, host)
-        on_device = dict(zip(host, kernels.from_host_many(list(host.values()), self.device)))
+        on_device = kernels.from_host_many(host, self.device)
         pool = cache or self.kv_cache
         tables, lens = self._step_pages(on_device, own_width, pool)
         step.input_ids = self._feed_pending(on_device) if pending else on_device["ids"]

@@ -148,7 +148,7 @@ class Sampler:
             host.update(top_k=np.array([p.top_k or vocab for p in params]),
                         top_p=np.array([p.top_p for p in params], dtype=np.float32),
                         min_p=np.array([p.min_p for p in params], dtype=np.float32))
-        rows = dict(zip(host, kernels.from_host_many(list(host.values()), logits.device)))   # in one copy
+        rows = kernels.from_host_many(host, logits.device)
         probs = (logits / rows["temperature"][:, None]).softmax(dim=-1)
         if "top_k" in rows:
             probs = self._truncate(probs, rows["top_k"], rows["top_p"], rows["min_p"])

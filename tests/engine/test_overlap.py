@@ -192,7 +192,7 @@ def test_arrays_copied_together_come_back_as_they_were_each_at_a_16_byte_boundar
     bytes from the start, so a kernel reading one is compiled as for any tensor of its own."""
     arrays = [np.arange(5), np.array([1, 2, 3], dtype=np.int32), np.zeros((2, 3), dtype=np.int32),
               np.array([True, False]), np.array([], dtype=np.int64), np.arange(6, dtype=np.int64).reshape(3, 2)]
-    arrived = kernels.from_host_many(arrays, torch.device(KERNEL_DEVICE))
+    arrived = list(kernels.from_host_many(dict(enumerate(arrays)), torch.device(KERNEL_DEVICE)).values())
     assert all(torch.equal(torch.from_numpy(a), t.cpu()) for a, t in zip(arrays, arrived))
     assert all((t.data_ptr() - arrived[0].data_ptr()) % 16 == 0 for t in arrived)
 
