@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import functools
 import os
-from itertools import accumulate
 from typing import Callable, NamedTuple
 
-import numpy as np
 import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
@@ -35,6 +33,7 @@ from kernels.linear_cpu import PackedLinear, can_prepack, prepack_linears
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.rope import apply_rope_ref, apply_rope_triton, long_rope_rows, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
+from kernels.transfer import from_host, from_host_many, pack_arrays, to_host
 
 BACKENDS = ("torch", "triton", "cpu")
 TRITON_MIN_BLOCK_SIZE = 16   # the smallest tile tl.dot compiles on a GPU
@@ -106,44 +105,6 @@ def captures_graphs(device: torch.device) -> bool:
 def packs_weights(device: torch.device) -> bool:
     """Whether the backend of device wants the linears' weights prepacked (kernels/linear_cpu.py)."""
     return backend(device) == "cpu"
-
-
-def from_host(values, device: torch.device) -> torch.Tensor:
-    """Host values (an array or a list) on device without the host waiting for it: on CUDA a
-    copy from pageable memory synchronises with the stream, one from pinned memory does not."""
-    tensor = torch.as_tensor(values)
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
-
-
-_TORCH_DTYPES = {np.dtype(t): getattr(torch, t) for t in ("bool", "uint8", "int8", "int16", "int32", "int64",
-                                                           "float16", "float32", "float64")}
-
-
-def from_host_many(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """Host arrays on device in one copy (from_host's): their bytes end to end, and each array,
-    under its name, a view of what arrived, with its dtype and shape. Each starts at a multiple
-    of 16 bytes, as the allocator's tensors do: Triton compiles a kernel for pointers so aligned."""
-    starts = list(accumulate((-(-a.nbytes // 16) * 16 for a in arrays.values()), initial=0))
-    packed = np.empty(max(starts[-1], 16), dtype=np.uint8)   # never empty: an empty tensor's stride is 0
-    for array, start in zip(arrays.values(), starts):
-        packed[start:start + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    arrived, views = from_host(packed, device), {}
-    for (name, a), start in zip(arrays.items(), starts):
-        view = arrived[start:start + a.nbytes].view(_TORCH_DTYPES[a.dtype])
-        views[name] = view if a.ndim == 1 else view.view(a.shape)   # a view less per 1-D array: a step has ~10
-    return views
-
-
-def to_host(tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:
-    """Device tensors copied to the host behind what is queued, without the host waiting: the
-    copies (pinned) and the event after which they hold the values (None: they are the tensors,
-    already on the host)."""
-    if not tensors or not tensors[0].is_cuda:
-        return tensors, None
-    copies = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors)
-    ready = torch.cuda.Event()
-    ready.record()
-    return copies, ready
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -385,9 +346,10 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
     return out
 
 
-__all__ = ["BACKENDS", "QUANT_MAX", "DecodeWorkspace", "PackedLinear", "StepPlan", "add_rms_norm", "apply_rope",
+__all__ = ["BACKENDS", "DecodeWorkspace", "PackedLinear", "QUANT_MAX", "StepPlan", "add_rms_norm", "apply_rope",
            "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits", "decode_partials",
-           "decode_wave", "decode_workspace_for", "dequantize", "forced_backend", "logits_scratch", "long_rope_rows",
-           "move_pages", "move_slots", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits",
-           "prefill_wave", "prefill_split_bytes", "prepack_linears", "rms_norm", "rope_cos_sin_cache",
-           "scratch_bytes_per_slot", "set_backend", "silu_and_mul", "split_count", "store_kv"]
+           "decode_wave", "decode_workspace_for", "dequantize", "forced_backend", "from_host", "from_host_many",
+           "logits_scratch", "long_rope_rows", "move_pages", "move_slots", "pack_arrays", "packs_weights",
+           "paged_attention", "plan_step", "prefill_num_splits", "prefill_split_bytes", "prefill_wave",
+           "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot", "set_backend",
+           "silu_and_mul", "split_count", "store_kv", "to_host"]

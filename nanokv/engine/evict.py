@@ -136,6 +136,8 @@ class Evictor:
         together: those of one rule, slot count and eviction count; an uneven method's, of one
         rule, whatever they hold and drop. What every group reads from the host reaches the
         device in one copy (kernels.from_host_many)."""
+        if not evictions:
+            return
         groups = defaultdict(list)
         for e in evictions:
             uneven = e.seq.method.uneven
@@ -162,9 +164,8 @@ class Evictor:
                 self.moved_pairs += valid.sum()
                 if seqs[0].method.windowed:   # its scores restart: the next window counts from zero
                     self.cache.scores.index_fill_(0, piece.flatten().long(), 0.0)
-        if evictions:
-            self.pair_totals()   # an earlier copy taken if it has landed; this one follows it
-            self._counting = Landing(self.pair_counts)
+        self.pair_totals()   # an earlier copy taken if it has landed; this one follows it
+        self._counting = Landing(self.pair_counts)
 
     def _pieces(self, num_seqs: int, method: KVMethod, num_slots: int, num_evicted: int = 0,
                 num_moved: int = 0) -> list[tuple[slice, slice]]:

@@ -203,9 +203,9 @@ class ModelRunner:
         step's (host["pending_to"]). A step of the same decodes as the last, in its order,
         feeds its tokens as they are: neither."""
         last = self.last_sampled
-        if "ids" in host or len(seqs) != len(last.seqs) or not all(a is b for a, b in zip(seqs, last.seqs)):
-            row_of = {id(seq): row for row, seq in enumerate(last.seqs)}
-            host["pending_from"] = np.array([row_of[id(seq)] for seq in seqs], dtype=np.int64)
+        if "ids" in host or seqs != last.seqs:   # (a sequence equals itself alone)
+            row_of = {seq: row for row, seq in enumerate(last.seqs)}
+            host["pending_from"] = np.array([row_of[seq] for seq in seqs], dtype=np.int64)
             if "ids" in host:
                 host["pending_to"] = np.array(rows, dtype=np.int64)
 

@@ -102,22 +102,22 @@ class Sampler:
             return self._sample_rows_alone(logits, params, generators, seqs, unread, states)
 
     @staticmethod
-    def _unread(seqs: list[Sequence], pending: SampledTokens) -> dict[int, int]:
-        """The pending token of each sequence whose sampling reads its output (by id(seq)); the
+    def _unread(seqs: list[Sequence], pending: SampledTokens) -> dict[Sequence, int]:
+        """The pending token of each sequence whose sampling reads its output; the
         grammars take theirs now."""
         behind = [seq for seq in seqs if seq.num_pending and (seq.grammar is not None or seq.params.penalizes)]
         if not behind:
             return {}
-        rows, tokens = {id(seq): row for row, seq in enumerate(pending.seqs)}, pending.read()
-        unread = {id(seq): tokens[rows[id(seq)]] for seq in behind}
+        rows, tokens = {seq: row for row, seq in enumerate(pending.seqs)}, pending.read()
+        unread = {seq: tokens[rows[seq]] for seq in behind}
         for seq in behind:
             if seq.grammar is not None:
-                seq.grammar.take(unread[id(seq)], len(seq.output_token_ids))
+                seq.grammar.take(unread[seq], len(seq.output_token_ids))
         return unread
 
     def _sample_rows_alone(self, logits: torch.Tensor, params: list[SamplingParams],
                            generators: list[torch.Generator | None], seqs: list[Sequence] | None,
-                           unread: dict[int, int], states: dict) -> torch.Tensor:
+                           unread: dict[Sequence, int], states: dict) -> torch.Tensor:
         tokens = []
         for row, (p, gen) in enumerate(zip(params, generators)):
             try:
@@ -132,7 +132,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None], seqs: list[Sequence] | None,
-                unread: dict[int, int]) -> torch.Tensor:
+                unread: dict[Sequence, int]) -> torch.Tensor:
         constrained = [row for row, seq in enumerate(seqs or ()) if seq.grammar is not None]
         if constrained:   # the masks are filled here, on the host, while the device runs the forward
             masks = fill_masks([seqs[row].grammar for row in constrained], logits.shape[-1])
@@ -161,7 +161,7 @@ class Sampler:
 
     @staticmethod
     def _penalize(logits: torch.Tensor, params: list[SamplingParams], seqs: list[Sequence] | None,
-                  unread: dict[int, int]) -> torch.Tensor:
+                  unread: dict[Sequence, int]) -> torch.Tensor:
         """The logits with each row's logit_bias added and its penalties applied, as vLLM orders
         them: repetition (HF's: a seen token's logit divided by it if positive, else multiplied,
         over prompt and output), then frequency and presence (OpenAI's: minus the penalty times
@@ -184,7 +184,7 @@ class Sampler:
                      np.fromiter(chain(*lists), np.int64))
             return found.index_put_(tuple(kernels.from_host(w, device) for w in where), torch.ones(1, device=device),
                                     accumulate=True)
-        output = counts([seq.output_token_ids + ([unread[id(seq)]] if id(seq) in unread else []) for seq in picked])
+        output = counts([seq.output_token_ids + ([unread[seq]] if seq in unread else []) for seq in picked])
         frequency, presence, repetition = (kernels.from_host([getattr(params[row], name) for row in rows], device)
                                            [:, None].to(logits.dtype) for name in PENALTIES)
         index = kernels.from_host(rows, device)

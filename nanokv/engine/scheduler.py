@@ -5,7 +5,8 @@ scheduled before the tokens of the one before it are read (LLM.step): a sequence
 may be pending, on the device; it is counted, its value read later (advance, then record).
 Each step fills a token budget: first the running sequences (one token per
 decoding sequence, or the next chunk of an unfinished prompt), then newly
-admitted prompts. Admission reserves blocks for what a sequence can hold at
+admitted prompts. A decoding sequence is planned in full once for the steps until
+its next eviction, block or last token: those are one token each (Scheduler._plain_until). Admission reserves blocks for what a sequence can hold at
 its peak: its prompt with a full cache, only its budget |kv| when it evicts
 as it reads the prompt (nanokv/eviction/). A decoding sequence that evicts
 together evicts early in a step where another of its method must (KVMethod.cohort):
@@ -175,6 +176,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, hits: list[Hit], needed: int, batch: ScheduledBatch) -> None:
         seq.status, seq.num_kept_inputs = Status.RUNNING, 0   # layer inputs are kept by block table row
+        seq.plain_until = -1   # planned in full until its first decode: it may have been preempted since
         if seq.swapped is not None:   # as it was: the runner copies its blocks back before the step
             own = self.blocks.allocate(needed)
             seq.block_table = self.block_tables.new(own)
@@ -231,19 +233,39 @@ class Scheduler:
     def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch, joining: bool = False) -> int:
         """Put seq's next chunk (and the eviction before it, or one it joins) in the batch; returns
         its length, 0 if seq had to be preempted for lack of blocks or its pending token is its last."""
-        if seq.num_tokens > seq.max_slots:   # max_tokens or max_model_len reached: its pending token is its last
-            return 0
-        evict, slots, n, kept, room = self._step_room(seq, budget, joining=joining)
-        if not self._make_room(seq, room, batch):
-            return 0
-        if evict:
-            batch.evictions.append(Eviction(seq, evict, seq.num_kv_slots, kept))
-            seq.num_kv_slots = slots   # the runner compacts before the forward pass
+        if seq.num_tokens <= seq.plain_until and not joining:
+            n = 1   # one decoded token, as in the step that planned so far ahead (_plain_until)
+        else:
+            if seq.num_tokens > seq.max_slots:   # max_tokens or max_model_len reached: its pending token is its last
+                return 0
+            evict, slots, n, kept, room = self._step_room(seq, budget, joining=joining)
+            if not self._make_room(seq, room, batch):
+                return 0
+            if evict:
+                batch.evictions.append(Eviction(seq, evict, seq.num_kv_slots, kept))
+                seq.num_kv_slots = slots   # the runner compacts before the forward pass
+            else:
+                seq.plain_until = self._plain_until(seq, n)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         if self.blocks.cache is not None:
             self._enter_full_blocks(seq, min(seq.num_computed_tokens + n, seq.num_tokens - seq.num_pending))
         return n
+
+    def _plain_until(self, seq: Sequence, n: int) -> int:
+        """The token count up to which seq's steps are each one decoded token that needs no
+        eviction, no block and is not its last, as its step of n tokens now is (-1 if it is not):
+        its tokens, computed tokens and pairs held grow by one a step, so its schedule's next
+        eviction, its blocks' slots and max_slots bound how far. A step after that (or one it
+        joins others' eviction in) is planned in full."""
+        if n != 1 or seq.num_uncomputed_tokens != 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+            return -1
+        ahead = min(len(seq.block_table.ids) * self.blocks.block_size - seq.num_kv_slots - 1,
+                    seq.max_slots - seq.num_tokens)
+        end = seq.method.schedule.next_eviction(seq)
+        if end is not None:
+            ahead = min(ahead, end - seq.num_computed_tokens - 1)
+        return seq.num_tokens + ahead
 
     def _enter_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Enter seq's full blocks of its first num_tokens tokens, known and computed by the step
@@ -273,11 +295,11 @@ class Scheduler:
         there (the runner streams them back, layer by layer). False if none could move."""
         staged = sum(len(seq.offloaded) for seq in self.running)
         room = min(self.blocks.num_host_free, self.num_staging - staged)
-        loading = {id(swap.seq) for swap in batch.resumed}   # its blocks fill only after the step's saves
+        loading = {swap.seq for swap in batch.resumed}   # its blocks fill only after the step's saves
         for seq in self.running:
             full = min(seq.num_kv_slots // self.blocks.block_size, len(seq.offloaded) + room)
             if seq.method.shares_blocks and seq.num_computed_tokens >= seq.num_prompt_tokens \
-                    and full > len(seq.offloaded) and id(seq) not in loading:
+                    and full > len(seq.offloaded) and seq not in loading:
                 device = seq.block_table.offload(full)
                 host = self.blocks.allocate_host(len(device))
                 batch.save(list(zip(device, host)))

@@ -44,7 +44,7 @@ class Status(Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(slots=True, eq=False)   # one request's: equal to itself alone, and hashed as such
 class Sequence:
     seq_id: int
     prompt_token_ids: list[int]
@@ -57,6 +57,7 @@ class Sequence:
     num_computed_tokens: int = 0       # tokens run through the model (their positions are taken)
     num_pending: int = 0               # sampled on the device, not read yet (0 or 1): the last of its tokens
     num_kv_slots: int = 0              # KV pairs it holds per head; below num_computed_tokens once it evicts
+    plain_until: int = -1              # while num_tokens is at most this, a step is one token, no more (Scheduler)
     finish_reason: str | None = None   # "length", "stop", "abort" or "error"
     generator: torch.Generator | None = None  # the request's own, when it has a seed
     prompt_logprobs: list[TokenLogprob | None] | None = None    # when asked for (None at position 0)

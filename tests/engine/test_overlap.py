@@ -141,14 +141,16 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
     windowed, squared and skipping scores in one batch, heads with pages of their own
     (kvcompress, once it has evicted) beside those reading their blocks'. So does what a step's
     evictions read (blocks, positions, own rows, pairs and blocks kept), whatever evicts in it:
-    kvcompress's first eviction and later ones, batchmax's, snapkv's, several methods at once;
-    and each row's sampling settings."""
+    kvcompress's first eviction and later ones, batchmax's, snapkv's, several methods at once
+    (and a step with no eviction, none); and each row's sampling settings."""
     llm = engine(tiny_dir, True, num_kv_blocks=160, max_num_batched_tokens=48)
-    steps, inside, from_host = [], [False], kernels.from_host
+    steps, inside = [], [False]
 
-    def counting(values, device):
-        steps[-1][0] += inside[0]
-        return from_host(values, device)
+    def counting(copy):   # a copy to the device: from_host, or from_host_many's one
+        def made(values, device):
+            steps[-1][0] += inside[0]
+            return copy(values, device)
+        return made
 
     def counted(name, phase, marks):   # phase's copies counted, with marks(its arguments), a set
         def run(*args):
@@ -162,7 +164,8 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
 
     def own(seqs) -> set[bool]:   # whether each sequence's heads have pages of their own
         return {seq.own_pages is not None for seq in seqs}
-    monkeypatch.setattr(kernels, "from_host", counting)
+    monkeypatch.setattr(kernels, "from_host", counting(kernels.from_host))
+    monkeypatch.setattr(kernels, "from_host_many", counting(kernels.from_host_many))
     monkeypatch.setattr(llm.runner, "prepare", counted("prepare", llm.runner.prepare,
                                                        lambda batch, cache=None: own(batch.seqs)))
     monkeypatch.setattr(llm.runner.evictor, "evict", counted("evict", llm.runner.evictor.evict,
@@ -182,19 +185,24 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
     # heads with pages of their own beside those without (kvcompress's first eviction), and without any
     assert {True, False} in [own for _, own in evictions] and {False} in [own for _, own in evictions]
     assert all(copies == 1 for copies, _ in evictions)
+    assert all(copies == 0 for copies, name, own in steps if name == "evict" and not own)   # a step with none
     sampled = [(copies, random) for copies, name, random in steps if name == "sample"]
     assert {True, False} in [random for _, random in sampled]   # a random row's temperature, top-k, top-p, min-p
     assert all(copies == (True in random) for copies, random in sampled)   # greedy rows alone: none
 
 
 def test_arrays_copied_together_come_back_as_they_were_each_at_a_16_byte_boundary():
-    """kernels.from_host_many: values, dtype and shape, empty arrays too; each at a multiple of 16
-    bytes from the start, so a kernel reading one is compiled as for any tensor of its own."""
+    """kernels.from_host_many: values, dtype and shape, empty arrays too, on KERNEL_DEVICE; the
+    copy to a GPU packs them each at a multiple of 16 bytes from the start (pack_arrays), so a
+    kernel reading one is compiled as for any tensor of its own."""
     arrays = [np.arange(5), np.array([1, 2, 3], dtype=np.int32), np.zeros((2, 3), dtype=np.int32),
               np.array([True, False]), np.array([], dtype=np.int64), np.arange(6, dtype=np.int64).reshape(3, 2)]
     arrived = list(kernels.from_host_many(dict(enumerate(arrays)), torch.device(KERNEL_DEVICE)).values())
-    assert all(torch.equal(torch.from_numpy(a), t.cpu()) for a, t in zip(arrays, arrived))
-    assert all((t.data_ptr() - arrived[0].data_ptr()) % 16 == 0 for t in arrived)
+    assert all(torch.equal(torch.from_numpy(a), t.cpu()) and t.dtype == torch.from_numpy(a).dtype
+               for a, t in zip(arrays, arrived))
+    packed, starts = kernels.pack_arrays(dict(enumerate(arrays)))
+    assert all(start % 16 == 0 for start in starts)
+    assert all((packed[start:start + a.nbytes] == a.reshape(-1).view(np.uint8)).all() for a, start in zip(arrays, starts))
 
 
 def test_prompt_logprobs_are_read_with_the_tokens_not_at_launch(tiny_dir, monkeypatch):

@@ -53,6 +53,60 @@ def test_steps_respect_token_and_sequence_limits(tiny_dir):
     assert llm.blocks.num_free == 256
 
 
+def test_a_decode_planned_ahead_is_the_step_a_full_plan_makes(tiny_dir, monkeypatch):
+    """A decoding sequence planned ahead (Scheduler._plain_until) runs the step its schedule and
+    blocks give: one token, no eviction, no block to add, not past its last token. Checked at
+    every such step under every schedule, evicting together, with preemption and prefix caching."""
+    llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=20, max_model_len=200, max_num_seqs=8,
+              max_num_batched_tokens=64, enable_prefix_caching=True, num_threads=1)
+    scheduler, found = llm.scheduler, []
+    plan = scheduler._plan
+
+    def checked(seq, budget, batch, joining=False):
+        if seq.num_tokens <= seq.plain_until and not joining:
+            evict, _, n, _, room = scheduler._step_room(seq, budget, joining=joining)
+            found.append((seq.method.schedule.name, (evict, n), scheduler.blocks.blocks_for(room)
+                          <= len(seq.block_table.ids) and seq.num_tokens <= seq.max_slots))
+        return plan(seq, budget, batch, joining)
+    monkeypatch.setattr(scheduler, "_plan", checked)
+    rng = random.Random(3)
+    evicts = dict(kv_budget=32, evict_every=8)
+    methods = [dict(), dict(kv_method="batchmax", **evicts), dict(kv_method="batchmax", evict_together=True, **evicts),
+               dict(kv_method="decode_only", **evicts), dict(kv_method="snapkv", kv_schedule="once", kv_window=8, **evicts),
+               dict(kv_method="ed", kv_budget=12, evict_every=4), dict(kv_method="kvcompress", kv_budget=48, evict_every=16)]
+    shared = [rng.randrange(VOCAB) for _ in range(40)]   # a prefix the cache serves again
+    prompts = [shared + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(28)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(20, 60), ignore_eos=True, **methods[i % 7])
+              for i in range(28)]
+    outs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
+    assert llm.scheduler.num_preemptions > 0
+    assert {name for name, *_ in found} == {"full", "prefill", "decode", "once", "ed"}
+    assert all(step == (0, 1) and fits for _, step, fits in found)
+
+
+def test_a_sequence_preempted_while_planned_ahead_is_planned_in_full_again(tiny_dir, monkeypatch):
+    """Two blocks: the first request's third decode needs the second, taken from the other,
+    preempted halfway through its block while planned ahead; admitted again, it recomputes its
+    tokens in one chunk."""
+    llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=2, max_model_len=32, num_threads=1)
+    scheduler, preempt, steps = llm.scheduler, llm.scheduler._preempt, []
+
+    def preempted(seq, batch):
+        steps.append(("preempted", seq.num_tokens <= seq.plain_until))
+        preempt(seq, batch)
+    monkeypatch.setattr(scheduler, "_preempt", preempted)
+    schedule = scheduler.schedule
+    monkeypatch.setattr(scheduler, "schedule", lambda: steps.append(schedule()) or steps[-1])
+    for prompt, max_tokens in ((list(range(14)), 5), ([1, 2, 3], 6)):
+        llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while llm.has_unfinished():
+        llm.step()
+    at = steps.index(("preempted", True))
+    chunks = [dict(zip([seq.seq_id for seq in batch.seqs], batch.num_new_tokens)) for batch in steps[at + 1:]]
+    assert max(n for chunk in chunks for i, n in chunk.items() if i == 1) > 3   # its prompt and tokens, again
+
+
 def test_max_model_len_ends_a_sequence(tiny_dir):
     llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=50)
     out = llm.generate([[1] * 45], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
