@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from itertools import count
 
 import torch
@@ -35,20 +34,11 @@ from nanokv.engine.sequence import Sequence
 from nanokv.engine.timing import StepClock, Timings
 from nanokv.engine.workers import cpu_threads, start_workers
 from nanokv.eviction import EvictionSettings, KVMethod, method_for
-from nanokv.outputs import EngineStats, RequestOutput
+from nanokv.outputs import EngineStats, Request, RequestOutput
 from nanokv.sampling_params import SamplingParams
 from nanokv.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | list[int]
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer | None   # None without a tokenizer: token ids only
-    text: str = ""      # output text, cut at a stop string
-    streamed: int = 0   # characters of `text` already handed out
 
 
 def engine_device(name: str | torch.device | None) -> torch.device:
@@ -111,7 +101,7 @@ class LLM:
         self.scheduler = Scheduler(self.config, self.blocks, eos_token_ids, swap_cost,
                                    self.runner.host_tier.staging_pages.shape[1])
         self.grammars = Grammars(self.tokenizer and self.tokenizer.to_json, self.model_config.vocab_size, eos_token_ids)
-        self.requests: dict[int, _Request] = {}
+        self.requests: dict[int, Request] = {}
         self._ids = count()
         self._timings: Timings | None = None   # inside timing()
         self._in_flight: SampledTokens | None = None   # launched, its tokens not read yet (overlap_steps)
@@ -180,7 +170,7 @@ class LLM:
                        max_slots=min(len(ids) + params.max_tokens, self.config.max_model_len) - 1,
                        prompt_logprobs=[None] * len(ids) if params.prompt_logprobs else None,
                        logprobs=[] if params.logprobs is not None else None, grammar=grammar)
-        self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
+        self.requests[request_id] = Request(seq, prompt if isinstance(prompt, str) else None,
                                              self.tokenizer and IncrementalDetokenizer(self.tokenizer, ids))
         self.scheduler.add(seq)
         return request_id
@@ -311,7 +301,7 @@ class LLM:
                 outputs.append(self._fail(request, error, token))
         return outputs
 
-    def _fail(self, request: _Request, error: Exception, token: int | None = None) -> RequestOutput:
+    def _fail(self, request: Request, error: Exception, token: int | None = None) -> RequestOutput:
         """End a request whose own processing raised (after it was accepted): it finishes
         with finish_reason "error" and its blocks go back to the pool."""
         seq = request.seq
@@ -328,7 +318,7 @@ class LLM:
                 seq.kept_positions = self.workers.kept_positions(seq, seq.kept_positions)
         self.scheduler.finish(seq, reason)
 
-    def _emit(self, request: _Request, token: int, every_token: bool, reason: str | None) -> RequestOutput | None:
+    def _emit(self, request: Request, token: int, every_token: bool, reason: str | None) -> RequestOutput | None:
         """Detokenize the request's new tokens, check its stop strings, and end it if it ends
         here: the one place a request's end and its reason are decided. reason: why the step
         found it done (EOS, a stop token: "stop"; max_tokens, max_model_len: "length"), None if
@@ -361,15 +351,13 @@ class LLM:
         return self._output(request, upto, new_text, [token])
 
     @staticmethod
-    def _output(request: _Request, upto: int, new_text: str, new_token_ids: list[int],
+    def _output(request: Request, upto: int, new_text: str, new_token_ids: list[int],
                 error: str | None = None) -> RequestOutput:
         """The request's output: its text up to upto, what the step added, and what it asked for."""
         seq = request.seq
         # positional: a step builds one for every request it streams, and keywords cost a third more
-        return RequestOutput(seq.seq_id, request.prompt, seq.prompt_token_ids, request.text[:upto], new_text,
-                             new_token_ids, seq.is_finished, seq.finish_reason, len(seq.output_token_ids),
-                             seq.prompt_logprobs, seq.kept_positions, error, seq.num_cached_tokens,
-                             seq.output_token_ids, seq.logprobs)
+        return RequestOutput(request, upto, new_text, new_token_ids, seq.is_finished, seq.finish_reason,
+                             len(seq.output_token_ids), error)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

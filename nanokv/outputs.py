@@ -1,46 +1,87 @@
-"""What the engine gives back: a request's output (RequestOutput) and a snapshot of what it
-holds (EngineStats, LLM.stats())."""
+"""What the engine gives back: a request's output (RequestOutput, read from the request as the
+engine keeps it: Request) and a snapshot of what it holds (EngineStats, LLM.stats())."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from nanokv.engine.sequence import TokenLogprob
+from nanokv.engine.sequence import Sequence, TokenLogprob
 from nanokv.engine.timing import Timings
+from nanokv.tokenizer import IncrementalDetokenizer
 
 
-@dataclass(slots=True)
-class RequestOutput:
-    """A request's output as of one step; `new_*` is what that step added. `token_ids` and
-    `logprobs` are copied from the request's lists when read: a step hands out an output for
-    every request it streams, and most callers read only what is new."""
-    request_id: int
+@dataclass(eq=False)
+class Request:
+    """A request as the engine keeps it while it runs: its sequence, and its text so far."""
+    seq: Sequence
     prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
+    detokenizer: IncrementalDetokenizer | None   # None without a tokenizer: token ids only
+    text: str = ""      # output text, cut at a stop string (it only grows until then)
+    streamed: int = 0   # characters of `text` already handed out
+
+
+@dataclass(slots=True, repr=False)
+class RequestOutput:
+    """A request's output as of one step; `new_*` is what that step added. The rest is read from
+    the request itself when asked for, as of this output: its text (up to text_len), tokens and
+    logprobs (its first num_tokens) only grow, its prompt never changes. A step hands out one
+    for every request it streams, and most callers read only what is new."""
+    request: Request
+    text_len: int
     new_text: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None   # "stop" (EOS, stop token or string), "length", "abort" or "error"
     num_tokens: int             # output tokens so far: len(token_ids)
-    prompt_logprobs: list[TokenLogprob | None] | None = None    # with SamplingParams(prompt_logprobs=True)
-    kept_positions: torch.Tensor | None = None   # [layers, kv_heads, n], with return_kept_positions, at the end
-    #                                               (an uneven method's shorter heads padded with -1)
     error: str | None = None    # with finish_reason "error": what went wrong with this request
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
-    # The request's own lists, which only grow: this output's are their first num_tokens entries.
-    request_token_ids: list[int] = field(default_factory=list, repr=False)
-    request_logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
+
+    @property
+    def request_id(self) -> int:
+        return self.request.seq.seq_id
+
+    @property
+    def prompt(self) -> str | None:
+        return self.request.prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.seq.prompt_token_ids
+
+    @property
+    def text(self) -> str:
+        return self.request.text[:self.text_len]
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request_token_ids[:self.num_tokens]
+        return self.request.seq.output_token_ids[:self.num_tokens]
 
     @property
     def logprobs(self) -> list[TokenLogprob] | None:
         """token_ids', with SamplingParams(logprobs=k)."""
-        return None if self.request_logprobs is None else self.request_logprobs[:self.num_tokens]
+        logprobs = self.request.seq.logprobs
+        return None if logprobs is None else logprobs[:self.num_tokens]
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """With SamplingParams(prompt_logprobs=True)."""
+        return self.request.seq.prompt_logprobs
+
+    @property
+    def kept_positions(self) -> torch.Tensor | None:
+        """[layers, kv_heads, n], with return_kept_positions, at the end (an uneven method's
+        shorter heads padded with -1)."""
+        return self.request.seq.kept_positions
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, not computed."""
+        return self.request.seq.num_cached_tokens
+
+    def __repr__(self) -> str:
+        return (f"RequestOutput(request_id={self.request_id}, text={self.text!r}, new_text={self.new_text!r}, "
+                f"num_tokens={self.num_tokens}, finished={self.finished}, finish_reason={self.finish_reason!r}"
+                + (f", error={self.error!r})" if self.error else ")"))
 
 
 @dataclass

@@ -64,7 +64,7 @@ def test_overlap_on_and_off_give_the_same_requests_the_same_results(tiny_dir, me
     outputs = on.generate(prompts, params)
     assert results(outputs) == expected
     # an extra token's logprob is dropped with it, not kept past the last token
-    assert all(len(o.request_logprobs) == len(o.token_ids) for o in outputs if o.logprobs is not None)
+    assert all(len(o.request.seq.logprobs) == len(o.token_ids) for o in outputs if o.logprobs is not None)
     if pool != "roomy":
         assert on.stats().preemptions > 0
     assert on.blocks.num_free == on.blocks.num_blocks and not on.has_unfinished()
