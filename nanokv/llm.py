@@ -30,7 +30,7 @@ from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.sampler import FAILED, SampledTokens
 from nanokv.engine.scheduler import ScheduledBatch, Scheduler
-from nanokv.engine.sequence import Sequence
+from nanokv.engine.sequence import KEPT_POSITIONS, Sequence
 from nanokv.engine.timing import StepClock, Timings
 from nanokv.engine.workers import cpu_threads, start_workers
 from nanokv.eviction import EvictionSettings, KVMethod, method_for
@@ -270,8 +270,8 @@ class LLM:
         nor where a request must not run past its last token: a row that failed, kept positions
         (read when it ends). Penalties and grammars read the token the step before sampled
         themselves (Sampler); logprobs come with the tokens (SampledTokens)."""
-        return self.config.overlap_steps and self.workers is None and not sampled.errors and not any(
-            seq.params.return_kept_positions for seq in sampled.seqs)
+        return self.config.overlap_steps and self.workers is None and not sampled.errors and not (
+            sampled.needs & KEPT_POSITIONS and any(seq.params.return_kept_positions for seq in sampled.seqs))
 
     def _read(self, sampled: SampledTokens, every_token: bool, clock: StepClock) -> list[RequestOutput]:
         """The step's tokens read and recorded: stops checked, text detokenized, outputs made.

@@ -25,7 +25,8 @@ from nanokv.engine.offload_costs import measure_link_and_device
 from nanokv.engine.press_window import PressWindow
 from nanokv.engine.sampler import SampledTokens, Sampler, logprob_tensors
 from nanokv.engine.scheduler import ScheduledBatch
-from nanokv.engine.sequence import Sequence
+from nanokv.engine.sequence import (EVERY_NEED, PROMPT_LOGPROBS, SCORES, SEEDED, UNEVEN, Sequence,
+                                     step_needs)
 from nanokv.engine.timing import StepClock
 from nanokv.eviction import AverageAttention, KVMethod
 from nanokv.sampling_params import SamplingParams
@@ -50,6 +51,7 @@ class StepInputs:
     sampled_seqs: list[Sequence] = field(default_factory=list)
     logprob_rows: list[int] = field(default_factory=list)          # rows predicting a prompt token
     logprob_targets: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, prompt index)
+    needs: int = EVERY_NEED                                        # its sequences' (step_needs)
 
 
 class ModelRunner:
@@ -129,11 +131,13 @@ class ModelRunner:
             seqs, num_new = [seqs[i] for i in order], [num_new[i] for i in order]
         starts = [seq.num_computed_tokens for seq in seqs]
         cu_seqlens = list(accumulate(num_new, initial=0))
-        step = StepInputs()
+        step = StepInputs(needs=step_needs(seqs))
         ends = [i for i, (seq, start, n) in enumerate(zip(seqs, starts, num_new)) if start + n == seq.num_tokens]
         step.sampled_seqs = [seqs[i] for i in ends]            # the chunk reaches the end: sample the next token
         step.sample_rows = [cu_seqlens[i + 1] - 1 for i in ends]
-        for i in [i for i, seq in enumerate(seqs) if seq.prompt_logprobs is not None]:   # rows predicting a prompt token
+        scoring = [i for i, seq in enumerate(seqs) if seq.prompt_logprobs is not None] \
+            if step.needs & PROMPT_LOGPROBS else []
+        for i in scoring:   # rows predicting a prompt token
             seq, start = seqs[i], starts[i]
             last = min(start + num_new[i], seq.num_prompt_tokens - 1)
             step.logprob_rows += range(cu_seqlens[i], cu_seqlens[i] + last - start)
@@ -149,9 +153,9 @@ class ModelRunner:
             host["ids"] = self._input_ids(seqs, starts, num_new, len(ends) == len(seqs) == cu_seqlens[-1])
         if len(ends) < len(row_seq):   # not every row is sampled
             host["sample_rows"] = np.array(step.sample_rows, dtype=np.int64)
-        methods = [seq.method for seq in seqs]
-        scores = any(m.needs_scores for m in methods)
+        scores = bool(step.needs & SCORES)
         if scores:
+            methods = [seq.method for seq in seqs]
             host["score_from"] = np.array([m.score_from(seq) for m, seq in zip(methods, seqs)], dtype=np.int32)
             if any(m.squares_scores for m in methods):
                 host["square_scores"] = np.array([m.squares_scores for m in methods], dtype=np.bool_)
@@ -159,7 +163,7 @@ class ModelRunner:
                 host["score_skip"] = np.array([m.score_skip for m in methods], dtype=np.int32)
         if pending:
             self._pending_rows([seqs[i] for i in pending], [cu_seqlens[i] for i in pending], host)
-        own_width, max_context_len = self._page_rows(seqs, n, row_seq, from_end, host)
+        own_width, max_context_len = self._page_rows(seqs, n, row_seq, from_end, host, step.needs & UNEVEN)
         on_device = kernels.from_host_many(host, self.device)
         pool = cache or self.kv_cache
         tables, lens = self._step_pages(on_device, own_width, pool)
@@ -223,7 +227,7 @@ class ModelRunner:
         return kernels.from_host(np.asarray(values, dtype=dtype), self.device)
 
     def _page_rows(self, seqs: list[Sequence], num_new: np.ndarray, row_seq: np.ndarray, from_end: np.ndarray,
-                   host: dict[str, np.ndarray]) -> tuple[int | None, int]:
+                   host: dict[str, np.ndarray], uneven: bool) -> tuple[int | None, int]:
         """The host's part of the step's pages: each sequence's length this step (host["lens"]),
         the blocks of those whose heads read their blocks' pages (host["blocks"], KVCache.batch_pages
         makes the pages), and which do not (host["own"]): once an uneven method has evicted, each
@@ -231,11 +235,12 @@ class ModelRunner:
         returned, None where none has); and a host-side bound of the lengths. Row t of the step
         (of sequence row_seq[t]) writes its pair from_end[t] slots from its sequence's end: where
         none has pages of its own, the block and offset of that slot (host["slot_blocks"],
-        ["slot_offsets"]); else row_seq and from_end (for the gather of _slot_mapping)."""
+        ["slot_offsets"]); else row_seq and from_end (for the gather of _slot_mapping). uneven:
+        whether any of seqs has an uneven method (only such a method's heads have pages of their own)."""
         lens = np.array([seq.num_kv_slots for seq in seqs]) + num_new
         host["lens"], bound = lens.astype(np.int32), int(lens.max())
         width = -(-bound // self.block_size)
-        own = [b for b, seq in enumerate(seqs) if seq.own_pages is not None]
+        own = [b for b, seq in enumerate(seqs) if seq.own_pages is not None] if uneven else []
         own_width = None
         if own:
             host["own_rows"], own_width = self.head_tables.rows([seqs[b].own_pages for b in own], lens[own].tolist())
@@ -316,10 +321,10 @@ class ModelRunner:
             clock.lap("forward")
             seqs, sampled = step.sampled_seqs, (None, {}, None)
             if logits is not None:
-                tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs,
-                                      self.last_sampled)
+                generators = [s.generator for s in seqs] if step.needs & SEEDED else [None] * len(seqs)
+                tokens = self.sampler(logits, [s.params for s in seqs], generators, seqs, self.last_sampled, step.needs)
                 sampled = (tokens, dict(self.sampler.errors), logits)
-            self.last_sampled = SampledTokens(seqs, *sampled, self._prompt_logprobs(hidden, step))
+            self.last_sampled = SampledTokens(seqs, *sampled, self._prompt_logprobs(hidden, step), step.needs)
             clock.lap("sample")
             return self.last_sampled
 

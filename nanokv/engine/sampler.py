@@ -10,11 +10,12 @@ import torch
 
 import kernels
 from nanokv.engine.grammar import apply_masks, fill_masks
-from nanokv.engine.sequence import Sequence, TokenLogprob
+from nanokv.engine.sequence import (EVERY_NEED, GRAMMAR, LOGIT_BIAS, LOGPROBS, PENALTIES, RANDOM, SEEDED, Sequence,
+                                     TokenLogprob)
 from nanokv.sampling_params import SamplingParams
 
 FAILED = -1   # the token of a row that could not be sampled (its error is in Sampler.errors)
-PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")
+PENALTY_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty")
 
 
 class SampledTokens:
@@ -24,13 +25,16 @@ class SampledTokens:
     not be sampled (Sampler.errors). Copied with the tokens: the logprob_tensors of the rows
     whose request asks for logprobs, from the step's logits (a row that could not be sampled
     gets some, never read: its request ends with an error), and prompt: the prompt tokens the
-    step scored, (sequence, position) each, and their logprob_tensors (read_logprobs)."""
+    step scored, (sequence, position) each, and their logprob_tensors (read_logprobs). needs:
+    what the step's sequences need, at least (sequence.py)."""
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor | None, errors: dict[int, Exception],
                  logits: torch.Tensor | None = None,
-                 prompt: tuple[list[tuple[Sequence, int]], tuple[torch.Tensor, ...]] = ([], ())):
-        self.seqs, self.on_device, self.errors = seqs, tokens, errors
-        self.logprob_rows = [] if logits is None else [i for i, seq in enumerate(seqs) if seq.logprobs is not None]
+                 prompt: tuple[list[tuple[Sequence, int]], tuple[torch.Tensor, ...]] = ([], ()),
+                 needs: int = EVERY_NEED):
+        self.seqs, self.on_device, self.errors, self.needs = seqs, tokens, errors, needs
+        self.logprob_rows = [i for i, seq in enumerate(seqs) if seq.logprobs is not None] \
+            if logits is not None and needs & LOGPROBS else []
         found = ()
         if self.logprob_rows:
             at = kernels.from_host(self.logprob_rows, logits.device)
@@ -89,17 +93,20 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None], seqs: list[Sequence] | None = None,
-                 pending: SampledTokens | None = None) -> torch.Tensor:
+                 pending: SampledTokens | None = None, needs: int = EVERY_NEED) -> torch.Tensor:
         """seqs: the rows' sequences, whose tokens so far the penalties count and the grammars
         read; pending: the step before, whose tokens they read first where they are not read
-        yet (overlapped steps: that step has finished by then, or soon will)."""
+        yet (overlapped steps: that step has finished by then, or soon will); needs: what the
+        rows need, at least (sequence.py): no pass over them for what none needs."""
         self.errors = {}
-        unread = self._unread(seqs, pending) if pending is not None and seqs is not None else {}
-        states = {row: gen.get_state() for row, gen in enumerate(generators) if gen is not None}   # before this call
+        reads = pending is not None and seqs is not None and needs & (GRAMMAR | PENALTIES)
+        unread = self._unread(seqs, pending) if reads else {}
+        states = {row: gen.get_state() for row, gen in enumerate(generators) if gen is not None} \
+            if needs & SEEDED else {}   # before this call
         try:
-            return self._sample(logits, params, generators, seqs, unread)
+            return self._sample(logits, params, generators, seqs, unread, needs)
         except Exception:
-            return self._sample_rows_alone(logits, params, generators, seqs, unread, states)
+            return self._sample_rows_alone(logits, params, generators, seqs, unread, states, needs)
 
     @staticmethod
     def _unread(seqs: list[Sequence], pending: SampledTokens) -> dict[Sequence, int]:
@@ -117,14 +124,14 @@ class Sampler:
 
     def _sample_rows_alone(self, logits: torch.Tensor, params: list[SamplingParams],
                            generators: list[torch.Generator | None], seqs: list[Sequence] | None,
-                           unread: dict[Sequence, int], states: dict) -> torch.Tensor:
+                           unread: dict[Sequence, int], states: dict, needs: int) -> torch.Tensor:
         tokens = []
         for row, (p, gen) in enumerate(zip(params, generators)):
             try:
                 if row in states:   # rows without a state had drawn nothing yet
                     gen.set_state(states[row])
                 tokens.append(int(self._sample(logits[row:row + 1], [p], [gen], seqs and seqs[row:row + 1],
-                                               unread)[0]))
+                                               unread, needs)[0]))
             except Exception as error:
                 self.errors[row] = error
                 tokens.append(FAILED)
@@ -132,14 +139,15 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None], seqs: list[Sequence] | None,
-                unread: dict[Sequence, int]) -> torch.Tensor:
-        constrained = [row for row, seq in enumerate(seqs or ()) if seq.grammar is not None]
+                unread: dict[Sequence, int], needs: int) -> torch.Tensor:
+        constrained = [row for row, seq in enumerate(seqs or ()) if seq.grammar is not None] if needs & GRAMMAR else []
         if constrained:   # the masks are filled here, on the host, while the device runs the forward
             masks = fill_masks([seqs[row].grammar for row in constrained], logits.shape[-1])
             logits = apply_masks(logits, constrained, masks)
-        logits = self._penalize(logits, params, seqs, unread)
+        if needs & (PENALTIES | LOGIT_BIAS):
+            logits = self._penalize(logits, params, seqs, unread)
         greedy = logits.argmax(dim=-1)
-        if all(p.temperature == 0 for p in params):
+        if not needs & RANDOM or all(p.temperature == 0 for p in params):
             return greedy
         vocab = logits.shape[-1]
         host = dict(temperature=np.array([p.temperature or 1.0 for p in params], dtype=np.float32),
@@ -186,7 +194,7 @@ class Sampler:
                                     accumulate=True)
         output = counts([seq.output_token_ids + ([unread[seq]] if seq in unread else []) for seq in picked])
         frequency, presence, repetition = (kernels.from_host([getattr(params[row], name) for row in rows], device)
-                                           [:, None].to(logits.dtype) for name in PENALTIES)
+                                           [:, None].to(logits.dtype) for name in PENALTY_FIELDS)
         index = kernels.from_host(rows, device)
         penalized = logits[index]
         if any(params[row].repetition_penalty != 1 for row in rows):   # the prompt's tokens count only for it

@@ -1,24 +1,23 @@
 """Which sequences run in the next step, how many tokens each, and who evicts.
 
 Continuous batching: sequences join and leave the running set every step. A step is
-scheduled before the tokens of the one before it are read (LLM.step): a sequence's last token
-may be pending, on the device; it is counted, its value read later (advance, then record).
-Each step fills a token budget: first the running sequences (one token per
-decoding sequence, or the next chunk of an unfinished prompt), then newly
-admitted prompts. A decoding sequence is planned in full once for the steps until
-its next eviction, block or last token: those are one token each (Scheduler._plain_until). Admission reserves blocks for what a sequence can hold at
-its peak: its prompt with a full cache, only its budget |kv| when it evicts
-as it reads the prompt (nanokv/eviction/). A decoding sequence that evicts
-together evicts early in a step where another of its method must (KVMethod.cohort):
-each step of evictions costs the same launches, so the fewer the better. When a
-sequence needs a block and none is free, the most recently admitted sequence is preempted: its
-blocks are freed and it goes back to the front of the waiting queue. With a
-host tier (preemption_mode "swap", or "auto" where moving its blocks is quicker
-than recomputing its tokens: offload_costs.py), its blocks are first copied
-there, as they are, and copied back when it is admitted again; otherwise (or
-with no room there) it is recomputed from its tokens. With decode_from_host, a
-short pool first moves the full blocks of the oldest running sequences that never
-evict to the host tier, and they decode on from there (models/host_stream.py).
+scheduled before the tokens of the one before it are read (LLM.step): a sequence's last
+token may be pending, on the device; it is counted, its value read later (advance, then
+record). Each step fills a token budget: first the running sequences (one token per decoding
+sequence, or the next chunk of an unfinished prompt), then newly admitted prompts. A
+decoding sequence is planned in full once for the steps until its next eviction, block or
+last token: those are one token each (Scheduler._plain_until). Admission reserves blocks for
+what a sequence can hold at its peak: its prompt with a full cache, only its budget |kv|
+when it evicts as it reads the prompt (nanokv/eviction/). A decoding sequence that evicts
+together evicts early in a step where another of its method must (KVMethod.cohort): each
+step of evictions costs the same launches, so the fewer the better. When a sequence needs a
+block and none is free, the most recently admitted sequence is preempted: its blocks are
+freed and it goes back to the front of the waiting queue. With a host tier (preemption_mode
+"swap", or "auto" where moving its blocks is quicker than recomputing its tokens:
+offload_costs.py), its blocks are first copied there, as they are, and copied back when it
+is admitted again; otherwise (or with no room there) it is recomputed from its tokens. With
+decode_from_host, a short pool first moves the full blocks of the oldest running sequences
+that never evict to the host tier, and they decode on from there (models/host_stream.py).
 
 Prefix caching (prefix_cache.py): a sequence is admitted with the
 longest run of cached full blocks that starts its tokens already computed, as

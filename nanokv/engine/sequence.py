@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import reduce
+from operator import or_
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +38,13 @@ class Swap:
     host: list[int]
     device: list[int]
     device_before: list[int] = field(default_factory=list)   # in: the blocks it left (its own page tables name them)
+
+
+# What a sequence's steps need beyond a token decoded greedily, a bit each (Sequence.needs): a step
+# takes the union of its sequences' (step_needs) and makes no pass over them for what none needs.
+RANDOM, SEEDED, PENALTIES, LOGIT_BIAS, GRAMMAR, LOGPROBS, PROMPT_LOGPROBS, KEPT_POSITIONS, SCORES, UNEVEN = (
+    1 << bit for bit in range(10))
+EVERY_NEED = (1 << 10) - 1
 
 
 class Status(Enum):
@@ -72,9 +81,16 @@ class Sequence:
     num_kept_inputs: int = 0           # its first positions whose layer inputs the host tier keeps (KVPR)
     grammar: Grammar | None = None     # a structured output's matcher
     num_prompt_tokens: int = field(init=False)
+    needs: int = field(init=False)     # its bits of RANDOM, SEEDED, ... (its parameters' and method's)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        p, method = self.params, self.method
+        self.needs = (RANDOM * (p.temperature > 0) | SEEDED * (self.generator is not None) | PENALTIES * p.penalizes
+                      | LOGIT_BIAS * bool(p.logit_bias) | GRAMMAR * (self.grammar is not None)
+                      | LOGPROBS * (self.logprobs is not None) | PROMPT_LOGPROBS * (self.prompt_logprobs is not None)
+                      | KEPT_POSITIONS * p.return_kept_positions | SCORES * method.needs_scores
+                      | UNEVEN * method.uneven)
 
     @property
     def token_ids(self) -> list[int]:
@@ -100,3 +116,8 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None   # set with status FINISHED (Scheduler.finish): cheaper to read
+
+
+def step_needs(seqs: list[Sequence]) -> int:
+    """The union of the sequences' needs."""
+    return reduce(or_, [seq.needs for seq in seqs], 0)

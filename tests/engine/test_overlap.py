@@ -202,7 +202,8 @@ def test_arrays_copied_together_come_back_as_they_were_each_at_a_16_byte_boundar
                for a, t in zip(arrays, arrived))
     packed, starts = kernels.pack_arrays(dict(enumerate(arrays)))
     assert all(start % 16 == 0 for start in starts)
-    assert all((packed[start:start + a.nbytes] == a.reshape(-1).view(np.uint8)).all() for a, start in zip(arrays, starts))
+    assert all((packed[start:start + a.nbytes] == a.reshape(-1).view(np.uint8)).all()
+               for a, start in zip(arrays, starts))
 
 
 def test_prompt_logprobs_are_read_with_the_tokens_not_at_launch(tiny_dir, monkeypatch):

@@ -7,7 +7,10 @@ import torch
 from helpers import make_tiny_model
 from nanokv import LLM, SamplingParams
 from nanokv.engine.sampler import FAILED, Sampler
-from nanokv.engine.sequence import Sequence
+from nanokv.config import EngineConfig
+from nanokv.engine import sequence
+from nanokv.engine.sequence import Sequence, step_needs
+from nanokv.eviction import method_for
 
 
 def sample_many(logits_row, params, n=4000, seed=0):
@@ -122,6 +125,27 @@ def test_a_penalized_row_samples_from_its_penalized_softmax():
     tokens = sampler(logits.expand(n, -1).clone(), [params] * n, [None] * n, [seq] * n)
     freq = torch.bincount(tokens, minlength=4).float() / n
     assert (freq - penalized(logits, [3], [0, 0, 1], params).softmax(-1)).abs().max() < 0.015
+
+
+def test_a_sequence_needs_what_its_request_asks_for_and_a_step_what_any_of_its_sequences_needs():
+    """Sequence.needs has a bit for each thing its steps do beyond a greedy token (a step makes no
+    pass over its sequences for what none needs); step_needs is their union."""
+    greedy = SamplingParams(temperature=0)
+    evicting = dict(kv_method="kvcompress", kv_budget=32, evict_every=16)
+    asked = {"RANDOM": dict(params=SamplingParams(temperature=0.7)),
+             "SEEDED": dict(generator=torch.Generator()),
+             "PENALTIES": dict(params=SamplingParams(temperature=0, repetition_penalty=1.2)),
+             "LOGIT_BIAS": dict(params=SamplingParams(temperature=0, logit_bias={3: 1.0})),
+             "GRAMMAR": dict(grammar=object()),
+             "LOGPROBS": dict(logprobs=[]),
+             "PROMPT_LOGPROBS": dict(prompt_logprobs=[None, None]),
+             "KEPT_POSITIONS": dict(params=SamplingParams(temperature=0, return_kept_positions=True)),
+             "SCORES UNEVEN": dict(method=method_for(SamplingParams(**evicting), EngineConfig(), 16))}
+    seqs = [Sequence(0, [1, 2], **{"params": greedy, **kind}) for kind in asked.values()]
+    for names, seq in zip(asked, seqs):
+        assert seq.needs == sum(getattr(sequence, name) for name in names.split()), names
+    assert Sequence(0, [1, 2], greedy).needs == 0
+    assert step_needs(seqs) == sequence.EVERY_NEED and step_needs([]) == 0
 
 
 @pytest.fixture(scope="module")

@@ -72,8 +72,10 @@ def test_a_decode_planned_ahead_is_the_step_a_full_plan_makes(tiny_dir, monkeypa
     rng = random.Random(3)
     evicts = dict(kv_budget=32, evict_every=8)
     methods = [dict(), dict(kv_method="batchmax", **evicts), dict(kv_method="batchmax", evict_together=True, **evicts),
-               dict(kv_method="decode_only", **evicts), dict(kv_method="snapkv", kv_schedule="once", kv_window=8, **evicts),
-               dict(kv_method="ed", kv_budget=12, evict_every=4), dict(kv_method="kvcompress", kv_budget=48, evict_every=16)]
+               dict(kv_method="decode_only", **evicts),
+               dict(kv_method="snapkv", kv_schedule="once", kv_window=8, **evicts),
+               dict(kv_method="ed", kv_budget=12, evict_every=4),
+               dict(kv_method="kvcompress", kv_budget=48, evict_every=16)]
     shared = [rng.randrange(VOCAB) for _ in range(40)]   # a prefix the cache serves again
     prompts = [shared + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(28)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(20, 60), ignore_eos=True, **methods[i % 7])
