@@ -24,9 +24,10 @@ class Request:
 @dataclass(slots=True, repr=False)
 class RequestOutput:
     """A request's output as of one step; `new_*` is what that step added. The rest is read from
-    the request itself when asked for, as of this output: its text (up to text_len), tokens and
-    logprobs (its first num_tokens) only grow, its prompt never changes. A step hands out one
-    for every request it streams, and most callers read only what is new."""
+    the request itself when asked for: its text (up to text_len), tokens and logprobs (its first
+    num_tokens) as of this output, for they only grow; its prompt, which never changes; its kept
+    positions (set when it ends) and cached tokens (at its last admission) as they are. A step
+    hands out one for every request it streams, and most callers read only what is new."""
     request: Request
     text_len: int
     new_text: str
