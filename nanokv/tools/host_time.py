@@ -9,8 +9,8 @@ caching off and on, at each batch size: prompts of --input-len random tokens and
 time (every phase but the forward pass) and its parts, and per method the cost of one more
 sequence (the slope up to the largest batch, from one an eighth of it: 64 to 512). Then, per
 step of the whole run untimed, what a device would wait for: the wall time less the forward
-passes', through generate() with overlap_steps off (serial) and on (overlap), and through
-step() as the server streams (step()).
+passes' (a GPU's, timed; a CPU's, the run's own), through generate() with overlap_steps off
+(serial) and on (overlap), and through step() as the server streams (step()).
 
 With --constrained FRACTION..., the bundled model instead (structured output needs a
 tokenizer), a fraction of each batch under a JSON schema whose output outlasts
@@ -65,9 +65,14 @@ def host_run(llm: LLM, batch: int, method: str, args) -> dict:
     forward_s = timings.decode["forward"] + timings.prefill["forward"]
 
     def exposed_ms(run) -> float:
-        start = time.perf_counter()
-        run()
-        return 1e3 * (time.perf_counter() - start - forward_s) / all_steps
+        with llm.timing(synchronize=False) as own:
+            start = time.perf_counter()
+            run()
+            wall = time.perf_counter() - start
+        # On a GPU the timed run's forward passes are the device's; on a CPU the forward is the host's
+        # own work, which drifts from run to run: this run's.
+        forward = forward_s if llm.device.type == "cuda" else own.decode["forward"] + own.prefill["forward"]
+        return 1e3 * (wall - forward) / all_steps
 
     def streamed():
         for prompt in prompts:

@@ -3,7 +3,6 @@
 Timings are never asserted: only that every figure is there and makes sense.
 """
 import json
-import math
 import sys
 
 import pytest
@@ -282,7 +281,7 @@ def test_host_mode_times_every_phase_per_decode_step(capsys):
         assert r["decode_steps"] > 0 and {"device", "date", "commit", "caching", "method", "batch"} <= r.keys()
         phases = [r[p] for p in ("schedule", "describe", "swap", "evict", "prepare", "sample", "update", "outputs")]
         assert min(phases) >= 0 and r["host"] == pytest.approx(sum(phases)) and r["forward"] > 0
-        assert all(math.isfinite(r[column]) for column in ("serial", "overlap", "step()"))   # wall less forward
+        assert all(r[column] > 0 for column in ("serial", "overlap", "step()"))   # wall less the run's own forward
     out = capsys.readouterr().out
     assert "per-sequence slope, batch 1 to 3" in out and "step()" in out
 
