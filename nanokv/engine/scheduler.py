@@ -269,7 +269,7 @@ class Scheduler:
     def _enter_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Enter seq's full blocks of its first num_tokens tokens, known and computed by the step
         launched last, into the prefix cache (a block its pending token fills: when it is read)."""
-        if seq.method.shares_blocks and num_tokens // self.blocks.block_size > len(seq.prefix_serials):
+        if num_tokens // self.blocks.block_size > len(seq.prefix_serials) and seq.method.shares_blocks:
             self.blocks.cache.add(seq.prefix_serials, seq.block_table.ids, seq.token_ids, num_tokens)
 
     def _make_room(self, seq: Sequence, num_slots: int, batch: ScheduledBatch) -> bool:
