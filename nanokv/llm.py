@@ -171,7 +171,7 @@ class LLM:
                        prompt_logprobs=[None] * len(ids) if params.prompt_logprobs else None,
                        logprobs=[] if params.logprobs is not None else None, grammar=grammar)
         self.requests[request_id] = Request(seq, prompt if isinstance(prompt, str) else None,
-                                             self.tokenizer and IncrementalDetokenizer(self.tokenizer, ids))
+                                            self.tokenizer and IncrementalDetokenizer(self.tokenizer, ids))
         self.scheduler.add(seq)
         return request_id
 
