@@ -7,7 +7,7 @@ the KV cache tensors, the host tier (host_tier.py), the sampler and the eviction
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate, chain
 
 import numpy as np
@@ -52,6 +52,7 @@ class StepInputs:
     logprob_rows: list[int] = field(default_factory=list)          # rows predicting a prompt token
     logprob_targets: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, prompt index)
     needs: int = EVERY_NEED                                        # its sequences' (step_needs)
+    decode_pages: tuple[torch.Tensor, torch.Tensor] | None = None  # a plain decode's lens [B] and blocks [B, W]
 
 
 class ModelRunner:
@@ -80,6 +81,7 @@ class ModelRunner:
             self.evictor = evict.Evictor(self.kv_cache, self.head_tables, self.press_window, model.shard)
             self.sampler = Sampler(device, config.seed)
             self.last_sampled: SampledTokens | None = None   # what the sequences with a token pending feed next
+            self.last_step: StepInputs | None = None         # the step prepared last (_advanced)
             self.graphs = None
             if self.uses_graphs:
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.decode_workspace, config.max_num_seqs,
@@ -125,6 +127,10 @@ class ModelRunner:
         and note which rows get logits. cache: the pool the pages are in (the runner's).
         Per sequence only the numbers that differ are read; the rest is numpy, which reaches the
         device in one copy (kernels.from_host_many), and torch."""
+        if cache is None:
+            self.last_step = self._advanced(batch)
+            if self.last_step is not None:
+                return self.last_step
         seqs, num_new = batch.seqs, batch.num_new_tokens
         if max(num_new) > 1:   # decodes first, in order: flash-decoding takes the leading one-query rows
             order = [i for i, n in enumerate(num_new) if n == 1] + [i for i, n in enumerate(num_new) if n > 1]
@@ -180,6 +186,37 @@ class ModelRunner:
                 seqs, starts, num_new, cu_seqlens, tables, lambda at, owners: self._rope_rows(at, seqs, owners)),
             rope_rows=self._rope_rows(positions, seqs, row_seq),
             kept_inputs=self.press_window.writes(seqs, starts, num_new, cu_seqlens) if cache is None else None)
+        if cache is None:
+            meta = step.meta
+            if len(seqs) == len(row_seq) == len(ends) and own_width is None and meta.host_stream is None \
+                    and meta.rope_rows is None and meta.kept_inputs is None:
+                step.decode_pages = on_device["lens"], on_device["blocks"]
+            self.last_step = step
+        return step
+
+    def _advanced(self, batch: ScheduledBatch) -> StepInputs | None:
+        """The step after a plain decode (StepInputs.decode_pages) when it is the same sequences,
+        each planned ahead (no block, no eviction since: Scheduler._plain_until), fed the tokens
+        the last step sampled: its inputs are the last step's one position further, on the
+        device, whatever the batch (the host reads no sequence but for windowed scores); None
+        when it is not."""
+        last, sampled = self.last_step, self.last_sampled
+        if last is None or last.decode_pages is None or batch.planned_ahead < len(batch.seqs) \
+                or sampled is None or sampled.seqs is not last.sampled_seqs or batch.seqs != sampled.seqs:
+            return None
+        lens, blocks = last.decode_pages
+        meta = last.meta
+        if meta.max_context_len >= blocks.shape[1] * self.block_size:   # a sequence reaches a new page
+            return None
+        bs = self.block_size   # each new pair goes in the slot after the last one's: index lens
+        slots = self.kv_cache.token_slots(blocks.gather(1, (lens // bs).long()[:, None])[:, 0].long(), lens % bs)
+        score_from = meta.score_from
+        if last.needs & SCORES:
+            score_from = self._to_device([seq.method.score_from(seq) for seq in batch.seqs], np.int32)
+        step = StepInputs(sampled.on_device, last.positions + 1, sample_rows=last.sample_rows, needs=last.needs,
+                          sampled_seqs=batch.seqs, decode_pages=(lens + 1, blocks))
+        step.meta = replace(meta, slot_mapping=slots, context_lens=meta.context_lens + 1,
+                            max_context_len=meta.max_context_len + 1, score_from=score_from)
         return step
 
     @staticmethod

@@ -65,6 +65,7 @@ class ScheduledBatch:
     swapped_out: list[Sequence] = field(default_factory=list)   # their own page tables are kept aside
     resumed: list[Swap] = field(default_factory=list)   # swapped back in: their own page tables follow
     preempted: set[int] = field(default_factory=set)    # seq ids: none is admitted again in the same step
+    planned_ahead: int = 0   # sequences whose step an earlier one planned (Scheduler._plain_until)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -234,6 +235,7 @@ class Scheduler:
         its length, 0 if seq had to be preempted for lack of blocks or its pending token is its last."""
         if seq.num_tokens <= seq.plain_until and not joining:
             n = 1   # one decoded token, as in the step that planned so far ahead (_plain_until)
+            batch.planned_ahead += 1
         else:
             if seq.num_tokens > seq.max_slots:   # max_tokens or max_model_len reached: its pending token is its last
                 return 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernels
-from helpers import KERNEL_DEVICE, device_waits, preemption_prompts
+from helpers import KERNEL_DEVICE, VOCAB, device_waits, preemption_prompts
 from nanokv import LLM, SamplingParams
 from nanokv.engine import sampler as sampler_module
 
@@ -189,6 +189,44 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
     sampled = [(copies, random) for copies, name, random in steps if name == "sample"]
     assert {True, False} in [random for _, random in sampled]   # a random row's temperature, top-k, top-p, min-p
     assert all(copies == (True in random) for copies, random in sampled)   # greedy rows alone: none
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_plain_decode_advanced_on_the_device_is_the_step_prepared_in_full(tiny_dir, monkeypatch, caching):
+    """ModelRunner._advanced: every step it makes from the one before (the same decodes, each
+    planned ahead) has the inputs that preparing its batch in full gives. Sequences of different
+    lengths reach a new block at different steps, new ones are admitted as others end, and
+    evicting methods count scores (h2o every query; snapkv evicting as it decodes, a window
+    before each eviction: score_from changes)."""
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=200, max_num_seqs=6, enable_prefix_caching=caching,
+              num_threads=1)
+    runner, advance, compared = llm.runner, llm.runner._advanced, []
+
+    def checked(batch):
+        step = advance(batch)
+        if step is not None:
+            runner.last_step = None   # prepare in full (it calls this first: None)
+            full = runner.prepare(batch)
+            meta, full_meta = step.meta, full.meta
+            for name in ("sampled_seqs", "sample_rows", "needs"):
+                assert getattr(step, name) == getattr(full, name), name
+            for name in ("slot_mapping", "context_lens", "page_tables", "score_from", "square_scores", "score_skip"):
+                assert (getattr(meta, name) is None) == (getattr(full_meta, name) is None), name
+                if getattr(meta, name) is not None:
+                    assert torch.equal(getattr(meta, name), getattr(full_meta, name)), name
+            assert torch.equal(step.input_ids, full.input_ids) and torch.equal(step.positions, full.positions)
+            assert (meta.max_context_len, meta.num_decodes) == (full_meta.max_context_len, full_meta.num_decodes)
+            compared.append({seq.params.kv_method for seq in batch.seqs})
+        return step
+    monkeypatch.setattr(runner, "_advanced", checked)
+    rng = np.random.default_rng(5)
+    evicts = dict(kv_budget=48, evict_every=16)
+    methods = [{}, dict(kv_method="h2o", **evicts),
+               dict(kv_method="snapkv", kv_window=8, kv_schedule="decode", **evicts)]
+    params = [SamplingParams(temperature=0, max_tokens=int(rng.integers(20, 70)), ignore_eos=True, **methods[i % 3])
+              for i in range(10)]
+    llm.generate([rng.integers(0, VOCAB, int(rng.integers(5, 60))).tolist() for _ in range(10)], params)
+    assert len(compared) > 50 and {"h2o", "snapkv", None} <= set().union(*compared)
 
 
 def test_arrays_copied_together_come_back_as_they_were_each_at_a_16_byte_boundary():
