@@ -52,7 +52,9 @@ class StepInputs:
     logprob_rows: list[int] = field(default_factory=list)          # rows predicting a prompt token
     logprob_targets: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, prompt index)
     needs: int = EVERY_NEED                                        # its sequences' (step_needs)
-    decode_pages: tuple[torch.Tensor, torch.Tensor] | None = None  # a plain decode's lens [B] and blocks [B, W]
+    # A decode's positions and lengths, and its sequences' rows of the block tables: the step after is made from
+    # them (ModelRunner._advanced)
+    decode: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 class ModelRunner:
@@ -82,6 +84,10 @@ class ModelRunner:
             self.sampler = Sampler(device, config.seed)
             self.last_sampled: SampledTokens | None = None   # what the sequences with a token pending feed next
             self.last_step: StepInputs | None = None         # the step prepared last (_advanced)
+            # A decode's next step is made from its arrays (_advanced) unless a step may need each sequence
+            # read: for its traffic with the host tier, a press's layer inputs, LongRoPE's rows.
+            self.advances = not (config.decode_from_host or self.host_tier.input_positions or self.press_window.window
+                                 or model.long_rope)
             self.graphs = None
             if self.uses_graphs:
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.decode_workspace, config.max_num_seqs,
@@ -126,7 +132,8 @@ class ModelRunner:
         """Flatten the batch into the step's tensors, decodes first (AttentionMetadata),
         and note which rows get logits. cache: the pool the pages are in (the runner's).
         Per sequence only the numbers that differ are read; the rest is numpy, which reaches the
-        device in one copy (kernels.from_host_many), and torch."""
+        device in one copy (kernels.from_host_many), and torch. A decode of the sequences the last
+        step decoded is made from the last step's arrays (_advanced)."""
         if cache is None:
             self.last_step = self._advanced(batch)
             if self.last_step is not None:
@@ -169,7 +176,7 @@ class ModelRunner:
                 host["score_skip"] = np.array([m.score_skip for m in methods], dtype=np.int32)
         if pending:
             self._pending_rows([seqs[i] for i in pending], [cu_seqlens[i] for i in pending], host)
-        own_width, max_context_len = self._page_rows(seqs, n, row_seq, from_end, host, step.needs & UNEVEN)
+        own_width, max_context_len, rows = self._page_rows(seqs, n, row_seq, from_end, host, step.needs & UNEVEN)
         on_device = kernels.from_host_many(host, self.device)
         pool = cache or self.kv_cache
         tables, lens = self._step_pages(on_device, own_width, pool)
@@ -187,36 +194,43 @@ class ModelRunner:
             rope_rows=self._rope_rows(positions, seqs, row_seq),
             kept_inputs=self.press_window.writes(seqs, starts, num_new, cu_seqlens) if cache is None else None)
         if cache is None:
-            meta = step.meta
-            if len(seqs) == len(row_seq) == len(ends) and own_width is None and meta.host_stream is None \
-                    and meta.rope_rows is None and meta.kept_inputs is None:
-                step.decode_pages = on_device["lens"], on_device["blocks"]
+            if self.advances and len(seqs) == len(row_seq) == len(ends) and not step.needs & UNEVEN:
+                step.decode = positions, host["lens"], rows
             self.last_step = step
         return step
 
     def _advanced(self, batch: ScheduledBatch) -> StepInputs | None:
-        """The step after a plain decode (StepInputs.decode_pages) when it is the same sequences,
-        each planned ahead (no block, no eviction since: Scheduler._plain_until), fed the tokens
-        the last step sampled: its inputs are the last step's one position further, on the
-        device, whatever the batch (the host reads no sequence but for windowed scores); None
-        when it is not."""
+        """The step after a decode (StepInputs.decode) when it is the same sequences, each
+        decoding, fed the tokens the last step sampled: the last step's inputs one position
+        further. The host reads only the sequences planned in full (a block added, pairs evicted:
+        their lengths; the step's pages are made again), and for windowed scores each one's first
+        query that counts; each new pair's block it finds in the block tables' rows. None when it
+        is not such a step."""
         last, sampled = self.last_step, self.last_sampled
-        if last is None or last.decode_pages is None or batch.planned_ahead < len(batch.seqs) \
-                or sampled is None or sampled.seqs is not last.sampled_seqs or batch.seqs != sampled.seqs:
+        if last is None or last.decode is None or sampled is None or sampled.seqs is not last.sampled_seqs \
+                or batch.seqs != sampled.seqs or max(batch.num_new_tokens) > 1:
             return None
-        lens, blocks = last.decode_pages
-        meta = last.meta
-        if meta.max_context_len >= blocks.shape[1] * self.block_size:   # a sequence reaches a new page
-            return None
-        bs = self.block_size   # each new pair goes in the slot after the last one's: index lens
-        slots = self.kv_cache.token_slots(blocks.gather(1, (lens // bs).long()[:, None])[:, 0].long(), lens % bs)
-        score_from = meta.score_from
+        (positions, lens, rows), seqs, meta, bs = last.decode, batch.seqs, last.meta, self.block_size
+        lens = lens + 1
+        if batch.planned_in_full:
+            lens[batch.planned_in_full] = [seqs[i].num_kv_slots + 1 for i in batch.planned_in_full]
+        max_context_len, index, ids = int(lens.max()), lens - 1, seqs[0].block_table.tables.ids
+        width = -(-max_context_len // bs)
+        host = dict(positions=positions + 1, slot_blocks=ids[rows, index // bs].astype(np.int64),
+                    slot_offsets=index % bs)
+        pages_again = bool(batch.planned_in_full) or width != meta.page_tables.shape[-1]
+        if pages_again:
+            host.update(lens=lens, blocks=ids[rows, :width])
         if last.needs & SCORES:
-            score_from = self._to_device([seq.method.score_from(seq) for seq in batch.seqs], np.int32)
-        step = StepInputs(sampled.on_device, last.positions + 1, sample_rows=last.sample_rows, needs=last.needs,
-                          sampled_seqs=batch.seqs, decode_pages=(lens + 1, blocks))
-        step.meta = replace(meta, slot_mapping=slots, context_lens=meta.context_lens + 1,
-                            max_context_len=meta.max_context_len + 1, score_from=score_from)
+            host["score_from"] = np.array([seq.method.score_from(seq) for seq in seqs], dtype=np.int32)
+        on_device = kernels.from_host_many(host, self.device)
+        tables, context_lens = self._step_pages(on_device, None, self.kv_cache) if pages_again \
+            else (meta.page_tables, meta.context_lens + 1)
+        step = StepInputs(sampled.on_device, on_device["positions"], sample_rows=last.sample_rows, sampled_seqs=seqs,
+                          needs=last.needs, decode=(host["positions"], lens, rows))
+        step.meta = replace(meta, slot_mapping=self._slot_mapping(on_device, tables, context_lens, self.kv_cache),
+                            context_lens=context_lens, page_tables=tables, max_context_len=max_context_len,
+                            score_from=on_device.get("score_from", meta.score_from))
         return step
 
     @staticmethod
@@ -264,12 +278,13 @@ class ModelRunner:
         return kernels.from_host(np.asarray(values, dtype=dtype), self.device)
 
     def _page_rows(self, seqs: list[Sequence], num_new: np.ndarray, row_seq: np.ndarray, from_end: np.ndarray,
-                   host: dict[str, np.ndarray], uneven: bool) -> tuple[int | None, int]:
+                   host: dict[str, np.ndarray], uneven: bool) -> tuple[int | None, int, np.ndarray | None]:
         """The host's part of the step's pages: each sequence's length this step (host["lens"]),
         the blocks of those whose heads read their blocks' pages (host["blocks"], KVCache.batch_pages
         makes the pages), and which do not (host["own"]): once an uneven method has evicted, each
         head has pages of its own, in a row of HeadTables (host["own_rows"]; the widest row's width
-        returned, None where none has); and a host-side bound of the lengths. Row t of the step
+        returned, None where none has); a host-side bound of the lengths; and the sequences' rows of
+        the block tables (None where every head has pages of its own). Row t of the step
         (of sequence row_seq[t]) writes its pair from_end[t] slots from its sequence's end: where
         none has pages of its own, the block and offset of that slot (host["slot_blocks"],
         ["slot_offsets"]); else row_seq and from_end (for the gather of _slot_mapping). uneven:
@@ -278,7 +293,7 @@ class ModelRunner:
         host["lens"], bound = lens.astype(np.int32), int(lens.max())
         width = -(-bound // self.block_size)
         own = [b for b, seq in enumerate(seqs) if seq.own_pages is not None] if uneven else []
-        own_width = None
+        own_width = rows = None
         if own:
             host["own_rows"], own_width = self.head_tables.rows([seqs[b].own_pages for b in own], lens[own].tolist())
             width, bound = max(width, own_width), max(bound, own_width * self.block_size)
@@ -295,7 +310,7 @@ class ModelRunner:
             host["slot_offsets"] = index % self.block_size
         elif len(row_seq) > len(seqs):   # prompt chunks: not every row's pair goes to its sequence's last slot
             host.update(row_seq=row_seq, from_end=from_end)
-        return own_width, bound
+        return own_width, bound, rows
 
     def _step_pages(self, on_device: dict[str, torch.Tensor], own_width: int | None,
                     cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:

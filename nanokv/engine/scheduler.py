@@ -65,7 +65,7 @@ class ScheduledBatch:
     swapped_out: list[Sequence] = field(default_factory=list)   # their own page tables are kept aside
     resumed: list[Swap] = field(default_factory=list)   # swapped back in: their own page tables follow
     preempted: set[int] = field(default_factory=set)    # seq ids: none is admitted again in the same step
-    planned_ahead: int = 0   # sequences whose step an earlier one planned (Scheduler._plain_until)
+    planned_in_full: list[int] = field(default_factory=list)   # of seqs, those not planned ahead (_plain_until)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -110,8 +110,14 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is running:   # not preempted earlier in this loop (evicting: mostly empty, so first)
-                joining = bool(evicting) and seq.method.together and seq.method.cohort in evicting
+            if seq.status is not running:   # preempted earlier in this loop
+                continue
+            joining = bool(evicting) and seq.method.together and seq.method.cohort in evicting   # (mostly empty)
+            if seq.num_tokens <= seq.plain_until and not joining:   # one decoded token, planned ahead (_plain_until)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(1)
+                budget -= 1
+            else:
                 budget -= self._plan(seq, budget, batch, joining)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -231,22 +237,20 @@ class Scheduler:
         return evict, slots, n, kept, room
 
     def _plan(self, seq: Sequence, budget: int, batch: ScheduledBatch, joining: bool = False) -> int:
-        """Put seq's next chunk (and the eviction before it, or one it joins) in the batch; returns
-        its length, 0 if seq had to be preempted for lack of blocks or its pending token is its last."""
-        if seq.num_tokens <= seq.plain_until and not joining:
-            n = 1   # one decoded token, as in the step that planned so far ahead (_plain_until)
-            batch.planned_ahead += 1
+        """Plan seq's next chunk in full (a decode planned ahead, schedule puts in the batch itself):
+        put it, and the eviction before it or one it joins, in the batch; returns its length, 0 if
+        seq had to be preempted for lack of blocks or its pending token is its last."""
+        if seq.num_tokens > seq.max_slots:   # max_tokens or max_model_len reached: its pending token is its last
+            return 0
+        evict, slots, n, kept, room = self._step_room(seq, budget, joining=joining)
+        if not self._make_room(seq, room, batch):
+            return 0
+        if evict:
+            batch.evictions.append(Eviction(seq, evict, seq.num_kv_slots, kept))
+            seq.num_kv_slots = slots   # the runner compacts before the forward pass
         else:
-            if seq.num_tokens > seq.max_slots:   # max_tokens or max_model_len reached: its pending token is its last
-                return 0
-            evict, slots, n, kept, room = self._step_room(seq, budget, joining=joining)
-            if not self._make_room(seq, room, batch):
-                return 0
-            if evict:
-                batch.evictions.append(Eviction(seq, evict, seq.num_kv_slots, kept))
-                seq.num_kv_slots = slots   # the runner compacts before the forward pass
-            else:
-                seq.plain_until = self._plain_until(seq, n)
+            seq.plain_until = self._plain_until(seq, n)
+        batch.planned_in_full.append(len(batch.seqs))
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
         if self.blocks.cache is not None:

@@ -192,12 +192,12 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
 
 
 @pytest.mark.parametrize("caching", [False, True])
-def test_a_plain_decode_advanced_on_the_device_is_the_step_prepared_in_full(tiny_dir, monkeypatch, caching):
-    """ModelRunner._advanced: every step it makes from the one before (the same decodes, each
-    planned ahead) has the inputs that preparing its batch in full gives. Sequences of different
-    lengths reach a new block at different steps, new ones are admitted as others end, and
-    evicting methods count scores (h2o every query; snapkv evicting as it decodes, a window
-    before each eviction: score_from changes)."""
+def test_a_decode_advanced_from_the_last_is_the_step_prepared_in_full(tiny_dir, monkeypatch, caching):
+    """ModelRunner._advanced: every step it makes from the one before (the same decodes) has the
+    inputs that preparing its batch in full gives. Sequences of different lengths reach a new
+    block at different steps (planned in full: their lengths and the pages read again), new ones
+    are admitted as others end, and evicting methods count scores (h2o every query; snapkv
+    evicting as it decodes, a window before each eviction: score_from changes)."""
     llm = LLM(str(tiny_dir), dtype="float32", max_model_len=200, max_num_seqs=6, enable_prefix_caching=caching,
               num_threads=1)
     runner, advance, compared = llm.runner, llm.runner._advanced, []
@@ -216,7 +216,8 @@ def test_a_plain_decode_advanced_on_the_device_is_the_step_prepared_in_full(tiny
                     assert torch.equal(getattr(meta, name), getattr(full_meta, name)), name
             assert torch.equal(step.input_ids, full.input_ids) and torch.equal(step.positions, full.positions)
             assert (meta.max_context_len, meta.num_decodes) == (full_meta.max_context_len, full_meta.num_decodes)
-            compared.append({seq.params.kv_method for seq in batch.seqs})
+            compared.append(({seq.params.kv_method for seq in batch.seqs}, len(batch.planned_in_full),
+                             bool(batch.evictions)))
         return step
     monkeypatch.setattr(runner, "_advanced", checked)
     rng = np.random.default_rng(5)
@@ -226,7 +227,8 @@ def test_a_plain_decode_advanced_on_the_device_is_the_step_prepared_in_full(tiny
     params = [SamplingParams(temperature=0, max_tokens=int(rng.integers(20, 70)), ignore_eos=True, **methods[i % 3])
               for i in range(10)]
     llm.generate([rng.integers(0, VOCAB, int(rng.integers(5, 60))).tolist() for _ in range(10)], params)
-    assert len(compared) > 50 and {"h2o", "snapkv", None} <= set().union(*compared)
+    assert len(compared) > 50 and {"h2o", "snapkv", None} <= set().union(*(methods for methods, *_ in compared))
+    assert any(0 < n < 6 for _, n, _ in compared) and any(evicting for *_, evicting in compared)
 
 
 def test_arrays_copied_together_come_back_as_they_were_each_at_a_16_byte_boundary():

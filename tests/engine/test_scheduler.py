@@ -60,15 +60,18 @@ def test_a_decode_planned_ahead_is_the_step_a_full_plan_makes(tiny_dir, monkeypa
     llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=20, max_model_len=200, max_num_seqs=8,
               max_num_batched_tokens=64, enable_prefix_caching=True, num_threads=1)
     scheduler, found = llm.scheduler, []
-    plan = scheduler._plan
+    schedule = scheduler.schedule
 
-    def checked(seq, budget, batch, joining=False):
-        if seq.num_tokens <= seq.plain_until and not joining:
-            evict, _, n, _, room = scheduler._step_room(seq, budget, joining=joining)
-            found.append((seq.method.schedule.name, (evict, n), scheduler.blocks.blocks_for(room)
-                          <= len(seq.block_table.ids) and seq.num_tokens <= seq.max_slots))
-        return plan(seq, budget, batch, joining)
-    monkeypatch.setattr(scheduler, "_plan", checked)
+    def checked():   # a sequence planned ahead is as it was before the step (not in planned_in_full)
+        batch = schedule()
+        for i, seq in enumerate(batch.seqs):
+            if i not in batch.planned_in_full:
+                evict, _, n, _, room = scheduler._step_room(seq, 64)
+                found.append((seq.method.schedule.name, (evict, n, batch.num_new_tokens[i]),
+                              scheduler.blocks.blocks_for(room) <= len(seq.block_table.ids)
+                              and seq.num_tokens <= seq.max_slots))
+        return batch
+    monkeypatch.setattr(scheduler, "schedule", checked)
     rng = random.Random(3)
     evicts = dict(kv_budget=32, evict_every=8)
     methods = [dict(), dict(kv_method="batchmax", **evicts), dict(kv_method="batchmax", evict_together=True, **evicts),
@@ -84,7 +87,7 @@ def test_a_decode_planned_ahead_is_the_step_a_full_plan_makes(tiny_dir, monkeypa
     assert [len(o.token_ids) for o in outs] == [p.max_tokens for p in params]
     assert llm.scheduler.num_preemptions > 0
     assert {name for name, *_ in found} == {"full", "prefill", "decode", "once", "ed"}
-    assert all(step == (0, 1) and fits for _, step, fits in found)
+    assert all(step == (0, 1, 1) and fits for _, step, fits in found)
 
 
 def test_a_sequence_preempted_while_planned_ahead_is_planned_in_full_again(tiny_dir, monkeypatch):
