@@ -32,9 +32,15 @@ import functools
 import time
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from models import ModelConfig
+
+if TYPE_CHECKING:
+    from models import Decoder
+    from nanokv.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -112,3 +118,18 @@ def measure_link_and_device(device: torch.device, dtype: torch.dtype, hidden: in
     w = torch.randn(kv_width, hidden, dtype=dtype, device=device)
     flops = 2 * 1024 * hidden * kv_width / best(lambda: torch.nn.functional.linear(x, w))
     return link, flops
+
+
+def rank_0_link_and_device(config: EngineConfig, model: Decoder, device: torch.device,
+                           dtype: torch.dtype) -> tuple[float, float] | None:
+    """What decoding from the host (KVPR's split) and preemption_mode "auto" weigh: the link
+    and matmul rate of rank 0's machine (measure_link_and_device); None if nothing weighs them.
+    Every rank splits by rank 0's numbers, so that all recompute alike."""
+    shape, shard = model.config, model.shard
+    recomputes = config.decode_from_host and config.partial_recompute
+    if not recomputes and not (config.preemption_mode == "auto" and shard.rank == 0):
+        return None
+    measured = [0.0, 0.0]
+    if shard.rank == 0:
+        measured = measure_link_and_device(device, dtype, shape.hidden_size, 2 * shape.num_kv_heads * shape.head_dim)
+    return tuple(shard.from_rank_0(list(measured), device) if recomputes else measured)

@@ -21,9 +21,9 @@ from nanokv.engine.block_table import BlockTables
 from nanokv.engine.cuda_graphs import DecodeGraphs
 from nanokv.engine.head_pages import HeadTables
 from nanokv.engine.host_tier import HostTier
-from nanokv.engine.offload_costs import measure_link_and_device
+from nanokv.engine.offload_costs import rank_0_link_and_device
 from nanokv.engine.press_window import PressWindow
-from nanokv.engine.sampler import SampledTokens, Sampler, logprob_tensors
+from nanokv.engine.sampler import SampledTokens, Sampler, prompt_logprobs
 from nanokv.engine.scheduler import ScheduledBatch
 from nanokv.engine.sequence import (EVERY_NEED, PROMPT_LOGPROBS, SCORES, SEEDED, UNEVEN, Sequence,
                                      step_needs)
@@ -31,7 +31,6 @@ from nanokv.engine.timing import StepClock
 from nanokv.eviction import AverageAttention, KVMethod
 from nanokv.sampling_params import SamplingParams
 
-LOGPROB_SLICE = 512       # prompt rows turned into vocabulary logits at a time
 
 
 def on_device(device: torch.device):
@@ -52,9 +51,7 @@ class StepInputs:
     logprob_rows: list[int] = field(default_factory=list)          # rows predicting a prompt token
     logprob_targets: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, prompt index)
     needs: int = EVERY_NEED                                        # its sequences' (step_needs)
-    # A decode's positions and lengths, and its sequences' rows of the block tables: the step after is made from
-    # them (ModelRunner._advanced)
-    decode: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    decode: tuple[np.ndarray, ...] | None = None   # a decode's positions, lengths, block-table rows (_advanced)
 
 
 class ModelRunner:
@@ -68,7 +65,7 @@ class ModelRunner:
         model_config = model.config
         self.uses_graphs = kernels.captures_graphs(device) and not config.enforce_eager
         with on_device(device):
-            self.link_and_device = self._measure_link_and_device()
+            self.link_and_device = rank_0_link_and_device(config, model, device, dtype)
             # Flash-decoding's split partials and the presses' layer inputs, allocated before the memory
             # profile counts what is in use.
             self.decode_workspace = kernels.decode_workspace_for(config.max_num_seqs, model_config.num_heads,
@@ -93,20 +90,6 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(self.model, self.kv_cache, self.decode_workspace, config.max_num_seqs,
                                            -(-config.max_model_len // config.block_size), config.max_model_len)
 
-    def _measure_link_and_device(self) -> tuple[float, float] | None:
-        """What decoding from the host (KVPR's split) and preemption_mode "auto" weigh: the link
-        and matmul rate of rank 0's machine, measured once (offload_costs.py); None if nothing
-        weighs them. Every rank splits by rank 0's numbers, so that all recompute alike."""
-        config, model, shard = self.config, self.model.config, self.model.shard
-        recomputes = config.decode_from_host and config.partial_recompute
-        if not recomputes and not (config.preemption_mode == "auto" and shard.rank == 0):
-            return None
-        measured = [0.0, 0.0]
-        if shard.rank == 0:
-            measured = measure_link_and_device(self.device, self.dtype, model.hidden_size,
-                                               2 * model.num_kv_heads * model.head_dim)
-        return tuple(shard.from_rank_0(list(measured), self.device) if recomputes else measured)
-
     @torch.inference_mode()
     def profile_forward(self, lengths: list[int]) -> None:
         """One step that reads prompts of the given lengths whole, through a scratch cache just
@@ -123,7 +106,7 @@ class ModelRunner:
                 for n, start, nb in zip(lengths, starts, blocks)]
         step = self.prepare(ScheduledBatch(seqs, list(lengths)), scratch)
         hidden = self.model(step.input_ids, step.positions, scratch, step.meta)
-        self._prompt_logprobs(hidden, step)
+        prompt_logprobs(self.model.compute_logits, hidden, step.logprob_rows, step.logprob_targets)
         rows = hidden[-self.config.max_num_seqs:]
         params = [SamplingParams(top_p=0.9)] * len(rows)   # sorts the vocabulary
         Sampler(self.device, 0)(self.model.compute_logits(rows), params, [None] * len(rows))
@@ -200,12 +183,11 @@ class ModelRunner:
         return step
 
     def _advanced(self, batch: ScheduledBatch) -> StepInputs | None:
-        """The step after a decode (StepInputs.decode) when it is the same sequences, each
-        decoding, fed the tokens the last step sampled: the last step's inputs one position
-        further. The host reads only the sequences planned in full (a block added, pairs evicted:
-        their lengths; the step's pages are made again), and for windowed scores each one's first
-        query that counts; each new pair's block it finds in the block tables' rows. None when it
-        is not such a step."""
+        """The step after a decode (StepInputs.decode) of the same sequences, fed the tokens it
+        sampled: its inputs one position further, each new pair's block found in the block
+        tables' rows. Only the sequences planned in full are read (a block added, pairs evicted:
+        their lengths; the pages are made again), and for windowed scores each one's first query
+        that counts. None when the step is not such a one."""
         last, sampled = self.last_step, self.last_sampled
         if last is None or last.decode is None or sampled is None or sampled.seqs is not last.sampled_seqs \
                 or batch.seqs != sampled.seqs or max(batch.num_new_tokens) > 1:
@@ -250,7 +232,7 @@ class ModelRunner:
         if not self.model.long_rope:
             return None
         rows = self.model.rope_rows(positions, np.array([seq.num_prompt_tokens for seq in seqs])[owners])
-        return None if rows is None else self._to_device(rows)
+        return None if rows is None else kernels.from_host(rows, self.device)
 
     def _pending_rows(self, seqs: list[Sequence], rows: list[int], host: dict[str, np.ndarray]) -> None:
         """Where the pending tokens of seqs, sampled by the step launched last, are among its
@@ -273,9 +255,6 @@ class ModelRunner:
             return tokens
         on_device["ids"][on_device["pending_to"]] = tokens
         return on_device["ids"]
-
-    def _to_device(self, values: np.ndarray | list, dtype=None) -> torch.Tensor:
-        return kernels.from_host(np.asarray(values, dtype=dtype), self.device)
 
     def _page_rows(self, seqs: list[Sequence], num_new: np.ndarray, row_seq: np.ndarray, from_end: np.ndarray,
                    host: dict[str, np.ndarray], uneven: bool) -> tuple[int | None, int, np.ndarray | None]:
@@ -376,7 +355,8 @@ class ModelRunner:
                 generators = [s.generator for s in seqs] if step.needs & SEEDED else [None] * len(seqs)
                 tokens = self.sampler(logits, [s.params for s in seqs], generators, seqs, self.last_sampled, step.needs)
                 sampled = (tokens, dict(self.sampler.errors), logits)
-            self.last_sampled = SampledTokens(seqs, *sampled, self._prompt_logprobs(hidden, step), step.needs)
+            prompt = prompt_logprobs(self.model.compute_logits, hidden, step.logprob_rows, step.logprob_targets)
+            self.last_sampled = SampledTokens(seqs, *sampled, prompt, step.needs)
             clock.lap("sample")
             return self.last_sampled
 
@@ -404,16 +384,3 @@ class ModelRunner:
         """[L, H, n]: the original positions of the pairs seq holds at the end (evict.py)."""
         with on_device(self.device):
             return self.evictor.kept_positions(seq)
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, step: StepInputs) -> tuple[list, tuple[torch.Tensor, ...]]:
-        """The prompt tokens the step scores, by the logits of the row before each, and their logprob_tensors,
-        a slice of rows at a time (a [rows, vocab] matrix of a long chunk would be large): SampledTokens' prompt."""
-        targets = step.logprob_targets
-        if not targets:
-            return [], ()
-        rows = self._to_device(step.logprob_rows, np.int64)
-        tokens = self._to_device([seq.prompt_token_ids[i] for seq, i in targets], np.int64)
-        num_top = max(seq.params.logprobs or 0 for seq, _ in targets)
-        found = [logprob_tensors(self.model.compute_logits(hidden[rows[at:at + LOGPROB_SLICE]]),
-                                 tokens[at:at + LOGPROB_SLICE], num_top) for at in range(0, len(rows), LOGPROB_SLICE)]
-        return targets, tuple(torch.cat(column) for column in zip(*found))

@@ -16,6 +16,7 @@ from nanokv.sampling_params import SamplingParams
 
 FAILED = -1   # the token of a row that could not be sampled (its error is in Sampler.errors)
 PENALTY_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty")
+LOGPROB_SLICE = 512   # prompt rows turned into vocabulary logits at a time
 
 
 class SampledTokens:
@@ -222,6 +223,21 @@ def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) ->
     and truncation (as OpenAI reports them). On the device: nothing waits."""
     logprobs = logits.log_softmax(dim=-1)
     return (logprobs.gather(1, tokens[:, None])[:, 0], *logprobs.topk(max(num_top, 1), dim=-1))
+
+
+def prompt_logprobs(compute_logits, hidden: torch.Tensor, rows: list[int], targets: list[tuple[Sequence, int]]
+                    ) -> tuple[list[tuple[Sequence, int]], tuple[torch.Tensor, ...]]:
+    """targets, prompt tokens (sequence, position) a step scores, each by the logits of hidden's
+    row of rows before it (compute_logits: the model's), and their logprob_tensors, a slice of
+    rows at a time (a [rows, vocab] matrix of a long chunk would be large): SampledTokens' prompt."""
+    if not targets:
+        return [], ()
+    rows = kernels.from_host(np.array(rows, dtype=np.int64), hidden.device)
+    tokens = kernels.from_host(np.array([seq.prompt_token_ids[i] for seq, i in targets], dtype=np.int64), hidden.device)
+    num_top = max(seq.params.logprobs or 0 for seq, _ in targets)
+    found = [logprob_tensors(compute_logits(hidden[rows[at:at + LOGPROB_SLICE]]), tokens[at:at + LOGPROB_SLICE],
+                             num_top) for at in range(0, len(rows), LOGPROB_SLICE)]
+    return targets, tuple(torch.cat(column) for column in zip(*found))
 
 
 def as_token_logprobs(tokens: list[int], chosen: list[float], top_logprobs: list[list[float]],

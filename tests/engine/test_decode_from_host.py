@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import nanokv.engine.runner
+import nanokv.engine.offload_costs
 from helpers import preemption_params as params, preemption_prompts as prompts
 from nanokv import LLM
 from nanokv.engine.offload_costs import PositionCost, best_split
@@ -23,7 +23,7 @@ HOST_GB = 0.0008   # 91 host blocks for the llama, 24 and the first 96 positions
 
 @pytest.fixture(autouse=True)
 def fixed_link_and_device(monkeypatch):
-    monkeypatch.setattr(nanokv.engine.runner, "measure_link_and_device", lambda *args: (1e9, 1e12))
+    monkeypatch.setattr(nanokv.engine.offload_costs, "measure_link_and_device", lambda *args: (1e9, 1e12))
 
 
 def engine(directory, num_kv_blocks: int, **options) -> LLM:
@@ -150,10 +150,10 @@ def test_the_split_follows_the_cost_of_the_link(tiny_models, monkeypatch):
     is copied and no layer input is kept."""
     llm = from_host(tiny_models, "qwen3", partial_recompute=False)
     assert llm.runner.host_tier.input_positions == 0 and llm.runner.host_tier.split(96) == 0
-    monkeypatch.setattr(nanokv.engine.runner, "measure_link_and_device", lambda *args: (1e9, 1e6))
+    monkeypatch.setattr(nanokv.engine.offload_costs, "measure_link_and_device", lambda *args: (1e9, 1e6))
     llm = from_host(tiny_models, "qwen3")
     assert llm.runner.host_tier.input_positions == 0 and llm.runner.host_tier.split(96) == 0
-    monkeypatch.setattr(nanokv.engine.runner, "measure_link_and_device", lambda *args: (1e9, 1e12))
+    monkeypatch.setattr(nanokv.engine.offload_costs, "measure_link_and_device", lambda *args: (1e9, 1e12))
     cost = PositionCost.of(llm.model_config, torch.float32, torch.float32, False, 1e9, 1e12)
     assert from_host(tiny_models, "qwen3").runner.host_tier.split(96) == best_split(96, cost) > 80
 

@@ -17,7 +17,7 @@ import kvpress
 import pytest
 import torch
 
-import nanokv.engine.runner
+import nanokv.engine.offload_costs
 from helpers import FAMILIES, VOCAB, make_tiny_model, preemption_params as params, preemption_prompts as prompts
 from models.tensor_parallel import Shard
 from nanokv import LLM, SamplingParams, StructuredOutput
@@ -161,7 +161,7 @@ def test_the_host_tier_splits(tmp_path, split, monkeypatch):
     link and device, here a device quick enough for recomputing to pay. A rank moves its heads'
     K/V but the whole layer input, so the model has 4 KV heads: with qwen3's 2, one a rank, the
     two are the same size and recomputing never pays."""
-    monkeypatch.setattr(nanokv.engine.runner, "measure_link_and_device", lambda *args: (1e9, 1e12))
+    monkeypatch.setattr(nanokv.engine.offload_costs, "measure_link_and_device", lambda *args: (1e9, 1e12))
     with patch.dict(FAMILIES, {"qwen3-mha": dict(FAMILIES["qwen3"], num_key_value_heads=4)}):
         make_tiny_model(tmp_path, "qwen3-mha")
     options = dict(num_kv_blocks=16, max_num_seqs=8, kv_offload_gb=0.0032, decode_from_host=True,
