@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import torch

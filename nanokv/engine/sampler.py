@@ -227,9 +227,10 @@ def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) ->
 
 def prompt_logprobs(compute_logits, hidden: torch.Tensor, rows: list[int], targets: list[tuple[Sequence, int]]
                     ) -> tuple[list[tuple[Sequence, int]], tuple[torch.Tensor, ...]]:
-    """targets, prompt tokens (sequence, position) a step scores, each by the logits of hidden's
-    row of rows before it (compute_logits: the model's), and their logprob_tensors, a slice of
-    rows at a time (a [rows, vocab] matrix of a long chunk would be large): SampledTokens' prompt."""
+    """The prompt tokens a step scores (targets: sequence, position), each by the logits of the
+    row of hidden before it (rows; compute_logits: the model's), and their logprob_tensors, a
+    slice of rows at a time (a [rows, vocab] matrix of a long chunk would be large):
+    SampledTokens' prompt."""
     if not targets:
         return [], ()
     rows = kernels.from_host(np.array(rows, dtype=np.int64), hidden.device)
