@@ -30,7 +30,7 @@ from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
 from nanokv.engine.sampler import FAILED, SampledTokens
 from nanokv.engine.scheduler import ScheduledBatch, Scheduler
-from nanokv.engine.sequence import KEPT_POSITIONS, Sequence
+from nanokv.engine.sequence import KEPT_POSITIONS, STOPS, Sequence
 from nanokv.engine.timing import StepClock, Timings
 from nanokv.engine.workers import cpu_threads, start_workers
 from nanokv.eviction import EvictionSettings, KVMethod, method_for
@@ -282,8 +282,12 @@ class LLM:
         logprobs = sampled.read_logprobs(tokens)
         clock.lap("update")
         errors = iter(sampled.errors.values())   # the rows that could not be sampled, in order
+        rows = range(len(tokens))
+        if not (every_token or sampled.errors or logprobs or sampled.needs & STOPS):   # only an end has news
+            rows = [row for row, seq in enumerate(sampled.seqs) if seq.seq_id in done]
         outputs, requests = [], self.requests
-        for row, (seq, token) in enumerate(zip(sampled.seqs, tokens)):
+        for row in rows:
+            seq, token = sampled.seqs[row], tokens[row]
             error = next(errors) if sampled.errors and token == FAILED else None
             request = requests.get(seq.seq_id)
             if request is None or seq.is_finished:   # aborted, or ended by a stop string since

@@ -40,11 +40,12 @@ class Swap:
     device_before: list[int] = field(default_factory=list)   # in: the blocks it left (its own page tables name them)
 
 
-# What a sequence's steps need beyond a token decoded greedily, a bit each (Sequence.needs): a step
-# takes the union of its sequences' (step_needs) and makes no pass over them for what none needs.
-RANDOM, SEEDED, PENALTIES, LOGIT_BIAS, GRAMMAR, LOGPROBS, PROMPT_LOGPROBS, KEPT_POSITIONS, SCORES, UNEVEN = (
-    1 << bit for bit in range(10))
-EVERY_NEED = (1 << 10) - 1
+# What a sequence's steps need beyond a token decoded greedily, a bit each (Sequence.needs; STOPS: its
+# text is read at every token, for stop strings): a step takes the union of its sequences' (step_needs)
+# and makes no pass over them for what none needs.
+RANDOM, SEEDED, PENALTIES, LOGIT_BIAS, GRAMMAR, LOGPROBS, PROMPT_LOGPROBS, KEPT_POSITIONS, SCORES, UNEVEN, STOPS = (
+    1 << bit for bit in range(11))
+EVERY_NEED = (1 << 11) - 1
 
 
 class Status(Enum):
@@ -90,7 +91,7 @@ class Sequence:
                       | LOGIT_BIAS * bool(p.logit_bias) | GRAMMAR * (self.grammar is not None)
                       | LOGPROBS * (self.logprobs is not None) | PROMPT_LOGPROBS * (self.prompt_logprobs is not None)
                       | KEPT_POSITIONS * p.return_kept_positions | SCORES * method.needs_scores
-                      | UNEVEN * method.uneven)
+                      | UNEVEN * method.uneven | STOPS * bool(p.stop))
 
     @property
     def token_ids(self) -> list[int]:

@@ -98,6 +98,19 @@ def test_streamed_outputs_match_and_none_follows_a_finished_one(tiny_dir, method
     assert llm.blocks.num_free == llm.blocks.num_blocks
 
 
+def test_generate_hands_a_step_s_tokens_on_only_for_the_requests_that_end_in_it(tiny_dir, monkeypatch):
+    """Through generate(), with no stop strings, logprobs or failed rows in a step, only a request
+    that ends in it has anything to detokenize or report: LLM._emit is called once a request."""
+    llm, reasons = engine(tiny_dir, True, num_kv_blocks=160), []
+    emit = llm._emit
+    monkeypatch.setattr(llm, "_emit", lambda request, token, every_token, reason:
+                        reasons.append(reason) or emit(request, token, every_token, reason))
+    lengths = (5, 9, 14)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate([[1, 2, 3]] * 3, params)
+    assert [len(out.token_ids) for out in outs] == list(lengths) and reasons == ["length"] * 3
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_step_launches_before_the_tokens_of_the_one_before_are_read(tiny_dir, monkeypatch, overlap):
     """The host reads step n's tokens after step n + 1 is launched (overlap; logprobs too: they
@@ -191,15 +204,13 @@ def test_a_step_s_inputs_reach_the_device_in_one_copy(tiny_dir, monkeypatch):
     assert all(copies == (True in random) for copies, random in sampled)   # greedy rows alone: none
 
 
-@pytest.mark.parametrize("caching", [False, True])
-def test_a_decode_advanced_from_the_last_is_the_step_prepared_in_full(tiny_dir, monkeypatch, caching):
+def test_a_decode_advanced_from_the_last_is_the_step_prepared_in_full(tiny_dir, monkeypatch):
     """ModelRunner._advanced: every step it makes from the one before (the same decodes) has the
     inputs that preparing its batch in full gives. Sequences of different lengths reach a new
     block at different steps (planned in full: their lengths and the pages read again), new ones
     are admitted as others end, and evicting methods count scores (h2o every query; snapkv
     evicting as it decodes, a window before each eviction: score_from changes)."""
-    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=200, max_num_seqs=6, enable_prefix_caching=caching,
-              num_threads=1)
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=200, max_num_seqs=6, num_threads=1)
     runner, advance, compared = llm.runner, llm.runner._advanced, []
 
     def checked(batch):

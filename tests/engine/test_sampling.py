@@ -140,6 +140,7 @@ def test_a_sequence_needs_what_its_request_asks_for_and_a_step_what_any_of_its_s
              "LOGPROBS": dict(logprobs=[]),
              "PROMPT_LOGPROBS": dict(prompt_logprobs=[None, None]),
              "KEPT_POSITIONS": dict(params=SamplingParams(temperature=0, return_kept_positions=True)),
+             "STOPS": dict(params=SamplingParams(temperature=0, stop=["."])),
              "SCORES UNEVEN": dict(method=method_for(SamplingParams(**evicting), EngineConfig(), 16))}
     seqs = [Sequence(0, [1, 2], **{"params": greedy, **kind}) for kind in asked.values()]
     for names, seq in zip(asked, seqs):
