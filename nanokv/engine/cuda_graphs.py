@@ -5,8 +5,11 @@ A decode step of a small model is hundreds of short kernel launches; replaying
 a captured graph issues them all at once. Graphs replay fixed addresses, so
 every input lives in a static buffer: a real batch is copied in and padded up
 to the next bucket (padding rows: slot -1, context length 0, which the kernels
-skip). Logits and sampling stay outside the graph; so does a step whose page
-tables are wider than the buffers (an uneven method's head that kept many pages).
+skip). Each copy is a launch the host pays for, so what the last step left in the
+buffers is not copied again: its padding, its page tables when a decode made from
+it keeps them (no block changed), score settings that no sequence sets. Logits and
+sampling stay outside the graph; so does a step whose page tables are wider than
+the buffers (an uneven method's head that kept many pages).
 """
 from __future__ import annotations
 
@@ -47,6 +50,9 @@ class DecodeGraphs:
         # Two graphs per size: one that also accumulates eviction scores (a batch with an
         # evicting sequence) and one that does not, so a full cache never pays for scores.
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        # What the buffers hold from the last step (run): padding after its rows, its page tables,
+        # how many rows have scores neither squared nor skipped.
+        self.padded, self.tables, self.plain_scores = 0, None, 0
         pool = None
         for scores in (True, False):
             for bs in reversed(self.batch_sizes):   # largest first: smaller graphs reuse its memory
@@ -89,17 +95,23 @@ class DecodeGraphs:
         """The decode step of len(input_ids) sequences, through the smallest graph that holds them."""
         n = input_ids.shape[0]
         bs = next(s for s in self.batch_sizes if s >= n)
-        width = meta.page_tables.shape[-1]
         self.input_ids[:n] = input_ids
         self.positions[:n] = positions
         self.slot_mapping[:, :n] = meta.slot_mapping
-        self.slot_mapping[:, n:bs] = -1
         self.context_lens[:, :n] = meta.context_lens
-        self.context_lens[:, n:bs] = 0
-        self.page_tables[:, :n, :, :width] = meta.page_tables
+        if self.padded != n:
+            self.slot_mapping[:, n:bs] = -1
+            self.context_lens[:, n:bs] = 0
+            self.padded = n
+        if meta.page_tables is not self.tables:
+            self.page_tables[:, :n, :, :meta.page_tables.shape[-1]] = meta.page_tables
+            self.tables = meta.page_tables
         if meta.accumulate_scores:
             self.score_from[:n] = meta.score_from
-            self.square_scores[:n] = False if meta.square_scores is None else meta.square_scores
-            self.score_skip[:n] = 0 if meta.score_skip is None else meta.score_skip
+            plain = meta.square_scores is None and meta.score_skip is None
+            if not (plain and self.plain_scores == n):
+                self.square_scores[:n] = False if meta.square_scores is None else meta.square_scores
+                self.score_skip[:n] = 0 if meta.score_skip is None else meta.score_skip
+                self.plain_scores = n if plain else 0
         self.graphs[bs, meta.accumulate_scores].replay()
         return self.hidden[:n]
