@@ -18,6 +18,7 @@ slot and query head until it knows each query's softmax denominator
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import kernels
@@ -59,10 +60,15 @@ class KVCache:
         kernels read them, built in one allocation."""
         return (blocks.to(torch.int32) * self.num_kv_heads)[None, :, None] + self._page_offsets[:, None]
 
-    def token_slots(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def first_slots(self, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Each token's slot in the first page of its block (layer 0, KV head 0), from its block
+        [T] (int64) and slot in it [T], on the host: the same in every pool of the model."""
+        return blocks * (self.num_kv_heads * self.block_size) + offsets
+
+    def token_slots(self, first: torch.Tensor) -> torch.Tensor:
         """Where tokens' pairs go in every layer and KV head [L, T, Hkv] (int64) when each head
-        holds its pairs in its blocks' own pages: each token's block [T] and slot in it [T]."""
-        return (blocks * (self.num_kv_heads * self.block_size) + offsets)[None, :, None] + self._slot_offsets
+        holds its pairs in its blocks' own pages: each token's first_slots [T] in this pool."""
+        return first[None, :, None] + self._slot_offsets
 
     @property
     def per_slot(self) -> tuple[torch.Tensor, ...]:

@@ -198,8 +198,8 @@ class ModelRunner:
             lens[batch.planned_in_full] = [seqs[i].num_kv_slots + 1 for i in batch.planned_in_full]
         max_context_len, index, ids = int(lens.max()), lens - 1, seqs[0].block_table.tables.ids
         width = -(-max_context_len // bs)
-        host = dict(positions=positions + 1, slot_blocks=ids[rows, index // bs].astype(np.int64),
-                    slot_offsets=index % bs)
+        host = dict(positions=positions + 1,
+                    first_slots=self.kv_cache.first_slots(ids[rows, index // bs].astype(np.int64), index % bs))
         pages_again = bool(batch.planned_in_full) or width != meta.page_tables.shape[-1]
         if pages_again:
             host.update(lens=lens, blocks=ids[rows, :width])
@@ -265,8 +265,8 @@ class ModelRunner:
         returned, None where none has); a host-side bound of the lengths; and the sequences' rows of
         the block tables (None where every head has pages of its own). Row t of the step
         (of sequence row_seq[t]) writes its pair from_end[t] slots from its sequence's end: where
-        none has pages of its own, the block and offset of that slot (host["slot_blocks"],
-        ["slot_offsets"]); else row_seq and from_end (for the gather of _slot_mapping). uneven:
+        none has pages of its own, that slot in its block's first page (host["first_slots"]:
+        KVCache.first_slots); else row_seq and from_end (for the gather of _slot_mapping). uneven:
         whether any of seqs has an uneven method (only such a method's heads have pages of their own)."""
         lens = np.array([seq.num_kv_slots for seq in seqs]) + num_new
         host["lens"], bound = lens.astype(np.int32), int(lens.max())
@@ -285,8 +285,8 @@ class ModelRunner:
             host["blocks"] = blocks
         if not own:   # the slot each row's pair goes to, in its block
             index = lens[row_seq] - from_end
-            host["slot_blocks"] = blocks[row_seq, index // self.block_size].astype(np.int64)
-            host["slot_offsets"] = index % self.block_size
+            bs = self.block_size
+            host["first_slots"] = self.kv_cache.first_slots(blocks[row_seq, index // bs].astype(np.int64), index % bs)
         elif len(row_seq) > len(seqs):   # prompt chunks: not every row's pair goes to its sequence's last slot
             host.update(row_seq=row_seq, from_end=from_end)
         return own_width, bound, rows
@@ -311,8 +311,8 @@ class ModelRunner:
         of the head's lens [L, B, Hkv] slots. Where every head reads its blocks' pages, from
         their layout (KVCache.token_slots); else through each head's pages tables [L, B, Hkv, W],
         row t from_end[t] slots from the end of sequence row_seq[t] (_page_rows)."""
-        if "slot_blocks" in on_device:
-            return cache.token_slots(on_device["slot_blocks"], on_device["slot_offsets"])
+        if "first_slots" in on_device:
+            return cache.token_slots(on_device["first_slots"])
         L, B, H = lens.shape
         if "row_seq" not in on_device:   # one token a sequence: its pair goes to each head's last slot
             index = lens - 1
