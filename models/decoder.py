@@ -154,9 +154,11 @@ class Decoder(nn.Module):
         return kernels.long_rope_rows(positions, prompt_lens, original, self.max_len)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """In the model's dtype: a greedy step takes only their argmax, and whatever computes with
+        them (sampling, penalties, logprobs) takes them to float32 first."""
         if self.lm_head is None:   # tied: the embedding table is the output projection
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def prepack_linears(self) -> None:
         """For the CPU backend: every matmul's weight in oneDNN's layout (kernels/linear_cpu.py).

@@ -141,6 +141,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None], seqs: list[Sequence] | None,
                 unread: dict[Sequence, int], needs: int) -> torch.Tensor:
+        if needs & (PENALTIES | LOGIT_BIAS | RANDOM):   # what computes with the logits does it in float32
+            logits = logits.float()
         constrained = [row for row, seq in enumerate(seqs or ()) if seq.grammar is not None] if needs & GRAMMAR else []
         if constrained:   # the masks are filled here, on the host, while the device runs the forward
             masks = fill_masks([seqs[row].grammar for row in constrained], logits.shape[-1])
@@ -220,8 +222,8 @@ class Sampler:
 def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> tuple[torch.Tensor, ...]:
     """Each row's log-probability of its token [R], and its num_top (at least 1) most likely
     log-probabilities and tokens [R, num_top]: log_softmax of the raw logits, before temperature
-    and truncation (as OpenAI reports them). On the device: nothing waits."""
-    logprobs = logits.log_softmax(dim=-1)
+    and truncation (as OpenAI reports them), in float32. On the device: nothing waits."""
+    logprobs = logits.float().log_softmax(dim=-1)
     return (logprobs.gather(1, tokens[:, None])[:, 0], *logprobs.topk(max(num_top, 1), dim=-1))
 
 

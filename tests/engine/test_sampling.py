@@ -1,11 +1,12 @@
 """The batched sampler, and how stop conditions and streaming behave in the engine."""
+import dataclasses
 import time
 
 import pytest
 import torch
 
 from helpers import make_tiny_model
-from nanokv import LLM, SamplingParams
+from nanokv import LLM, SamplingParams, StructuredOutput
 from nanokv.engine.sampler import FAILED, Sampler
 from nanokv.config import EngineConfig
 from nanokv.engine import sequence
@@ -322,3 +323,30 @@ def test_a_row_that_fails_gets_FAILED_and_the_others_their_own_tokens():
     assert list(sampler.errors) == [3] and isinstance(sampler.errors[3], TypeError)
     assert sampler(logits[:2], params[:2], [None, torch.Generator().manual_seed(7)]).tolist() == alone.tolist()
     assert sampler.errors == {}
+
+
+def test_logits_stay_in_the_model_s_dtype_until_something_computes_with_them(tiny_dir, monkeypatch):
+    """In bfloat16 a greedy step takes the argmax of the logits as the model gives them (no
+    float32 copy of [rows, vocab]); sampling, penalties, logit bias, grammars and logprobs give
+    what they give on logits taken to float32 first, token for token and logprob for logprob."""
+    llm = LLM(str(tiny_dir), dtype="bfloat16", num_kv_blocks=64, max_model_len=160, num_threads=1)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [greedy, dataclasses.replace(greedy, logprobs=2, prompt_logprobs=True),
+              dataclasses.replace(greedy, temperature=0.8, seed=3, top_p=0.9),
+              dataclasses.replace(greedy, repetition_penalty=1.3, presence_penalty=0.5),
+              dataclasses.replace(greedy, logit_bias={5: 3.0}),
+              dataclasses.replace(greedy, structured_output=StructuredOutput(regex=r"[a-z ]{5,30}"))]
+    prompts = [[(7 * i + j) % 250 for j in range(10 + 9 * i)] for i in range(len(params))]
+
+    def outputs():
+        return [(o.token_ids, o.logprobs, o.prompt_logprobs) for o in llm.generate(prompts, params)]
+    as_given = outputs()
+    compute_logits = llm.runner.model.compute_logits
+    monkeypatch.setattr(llm.runner.model, "compute_logits", lambda hidden: compute_logits(hidden).float())
+    assert outputs() == as_given
+    monkeypatch.undo()
+    dtypes = []
+    argmax = torch.Tensor.argmax
+    monkeypatch.setattr(torch.Tensor, "argmax", lambda t, *a, **k: dtypes.append(t.dtype) or argmax(t, *a, **k))
+    llm.generate([[1, 2, 3]] * 3, greedy)
+    assert dtypes and set(dtypes) == {torch.bfloat16}
