@@ -60,10 +60,12 @@ class KVCache:
         kernels read them, built in one allocation."""
         return (blocks.to(torch.int32) * self.num_kv_heads)[None, :, None] + self._page_offsets[:, None]
 
-    def first_slots(self, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        """Each token's slot in the first page of its block (layer 0, KV head 0), from its block
-        [T] (int64) and slot in it [T], on the host: the same in every pool of the model."""
-        return blocks * (self.num_kv_heads * self.block_size) + offsets
+    def first_slots(self, blocks: np.ndarray, rows: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """Each token's slot in the first page of its block (layer 0, KV head 0), on the host: the
+        index-th slot [T] of the sequence whose block ids are row rows[t] of blocks [B, nb]. The
+        same in every pool of the model."""
+        block = blocks[rows, index // self.block_size].astype(np.int64)
+        return block * (self.num_kv_heads * self.block_size) + index % self.block_size
 
     def token_slots(self, first: torch.Tensor) -> torch.Tensor:
         """Where tokens' pairs go in every layer and KV head [L, T, Hkv] (int64) when each head

@@ -192,14 +192,13 @@ class ModelRunner:
         if last is None or last.decode is None or sampled is None or sampled.seqs is not last.sampled_seqs \
                 or batch.seqs != sampled.seqs or max(batch.num_new_tokens) > 1:
             return None
-        (positions, lens, rows), seqs, meta, bs = last.decode, batch.seqs, last.meta, self.block_size
+        (positions, lens, rows), seqs, meta = last.decode, batch.seqs, last.meta
         lens = lens + 1
         if batch.planned_in_full:
             lens[batch.planned_in_full] = [seqs[i].num_kv_slots + 1 for i in batch.planned_in_full]
-        max_context_len, index, ids = int(lens.max()), lens - 1, seqs[0].block_table.tables.ids
-        width = -(-max_context_len // bs)
-        host = dict(positions=positions + 1,
-                    first_slots=self.kv_cache.first_slots(ids[rows, index // bs].astype(np.int64), index % bs))
+        max_context_len, ids = int(lens.max()), seqs[0].block_table.tables.ids
+        width = -(-max_context_len // self.block_size)
+        host = dict(positions=positions + 1, first_slots=self.kv_cache.first_slots(ids, rows, lens - 1))
         pages_again = bool(batch.planned_in_full) or width != meta.page_tables.shape[-1]
         if pages_again:
             host.update(lens=lens, blocks=ids[rows, :width])
@@ -284,9 +283,7 @@ class ModelRunner:
                 blocks = np.pad(blocks, ((0, 0), (0, width - blocks.shape[1])))
             host["blocks"] = blocks
         if not own:   # the slot each row's pair goes to, in its block
-            index = lens[row_seq] - from_end
-            bs = self.block_size
-            host["first_slots"] = self.kv_cache.first_slots(blocks[row_seq, index // bs].astype(np.int64), index % bs)
+            host["first_slots"] = self.kv_cache.first_slots(blocks, row_seq, lens[row_seq] - from_end)
         elif len(row_seq) > len(seqs):   # prompt chunks: not every row's pair goes to its sequence's last slot
             host.update(row_seq=row_seq, from_end=from_end)
         return own_width, bound, rows
