@@ -31,7 +31,7 @@ from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_trito
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.linear_cpu import PackedLinear, can_prepack, prepack_linears
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from kernels.rope import apply_rope_ref, apply_rope_triton, long_rope_rows, rope_cos_sin_cache
+from kernels.rope import QKNorms, apply_rope_ref, apply_rope_triton, long_rope_rows, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
 from kernels.transfer import from_host, from_host_many, pack_arrays, to_host
 
@@ -136,8 +136,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return _ops(x).add_rms_norm(x, residual, weight, eps)
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
-    _ops(q).apply_rope(q, k, positions, cos_sin)
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+               norms: QKNorms | None = None) -> None:
+    _ops(q).apply_rope(q, k, positions, cos_sin, norms)
 
 
 # ----- flash-decoding's launch and scratch -------------------------------------------------
@@ -346,7 +347,7 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
     return out
 
 
-__all__ = ["BACKENDS", "DecodeWorkspace", "PackedLinear", "QUANT_MAX", "StepPlan", "add_rms_norm", "apply_rope",
+__all__ = ["BACKENDS", "DecodeWorkspace", "PackedLinear", "QKNorms", "QUANT_MAX", "StepPlan", "add_rms_norm", "apply_rope",
            "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits", "decode_partials",
            "decode_wave", "decode_workspace_for", "dequantize", "forced_backend", "from_host", "from_host_many",
            "logits_scratch", "long_rope_rows", "move_pages", "move_slots", "pack_arrays", "packs_weights",

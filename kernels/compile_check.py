@@ -242,7 +242,7 @@ def _elementwise_case(shape: str, dtype: str) -> Callable[[], None]:
     from kernels.activation import silu_and_mul_triton
     from kernels.kv_store import store_kv_triton
     from kernels.norm import add_rms_norm_triton, rms_norm_triton
-    from kernels.rope import apply_rope_triton
+    from kernels.rope import QKNorms, apply_rope_triton
 
     def run():
         hq, hkv, d, hidden, inter = SHAPES[shape]
@@ -251,8 +251,9 @@ def _elementwise_case(shape: str, dtype: str) -> Callable[[], None]:
         rms_norm_triton(x, torch.ones(hidden, dtype=dt), 1e-5)
         add_rms_norm_triton(x, residual, torch.ones(hidden, dtype=dt), 1e-5)
         q, k, v = _qkv(tokens, hq, hkv, d, dt)
-        rms_norm_triton(q, torch.ones(d, dtype=dt), 1e-5)   # Qwen3's per-head q/k norm
-        apply_rope_triton(q, k, torch.zeros(tokens, dtype=torch.long), torch.zeros(64, d))
+        rms_norm_triton(q, torch.ones(d, dtype=dt), 1e-5)   # Qwen3's per-head q/k norm (what a press reads)
+        for norms in (None, QKNorms(torch.ones(d, dtype=dt), torch.ones(d, dtype=dt), 1e-5)):   # with it, fused
+            apply_rope_triton(q, k, torch.zeros(tokens, dtype=torch.long), torch.zeros(64, d), norms)
         silu_and_mul_triton(torch.zeros(tokens, 2 * inter, dtype=dt))
         k_cache = torch.zeros(8, 16, d, dtype=dt)
         store_kv_triton(k, v, k_cache, torch.zeros_like(k_cache), torch.zeros(8, 16, dtype=torch.int32),

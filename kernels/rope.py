@@ -2,14 +2,26 @@
 
 Any RoPE scaling (linear, Llama-3, LongRoPE) is folded into the table, so applying it
 is the same for every model. Layout follows HF ("rotate half"): dimension i
-pairs with dimension i + D/2.
+pairs with dimension i + D/2. Qwen3's RMSNorm of each q and k head, which comes right
+before the rotation, is made in the same pass (QKNorms): one launch for the three.
 """
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from kernels.norm import rms_norm_ref
+
+
+class QKNorms(NamedTuple):
+    """The RMSNorms of q's and k's heads that come before RoPE (Qwen3): their weights [D], in the
+    heads' dtype, and epsilon."""
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -71,11 +83,14 @@ def long_rope_rows(positions: np.ndarray, prompt_lens: np.ndarray, original: int
     return np.where(early_long, positions + max_len, positions) if early_long.any() else None
 
 
-def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by their tokens' positions [T]."""
+def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                   norms: QKNorms | None = None):
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by their tokens' positions [T]; with norms,
+    each head RMS-normalised first (Qwen3's q/k norm: kernels.norm.rms_norm_ref, in the heads' dtype)."""
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-    for x in (q, k):
-        x1, x2 = x.float().chunk(2, dim=-1)
+    for x, weight in zip((q, k), (None, None) if norms is None else norms[:2]):
+        normed = x if weight is None else rms_norm_ref(x, weight, norms.eps)
+        x1, x2 = normed.float().chunk(2, dim=-1)
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
         x.copy_(rotated)
 
@@ -86,23 +101,31 @@ TOKEN_ELEMENTS = 1024
 
 
 @triton.jit
-def _rotate_heads(ptr, tokens, stride_t, n_heads, stride_h, half, cos, sin,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate_heads(ptr, tokens, stride_t, n_heads, stride_h, half, cos, sin, w_ptr, eps,
+                  NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Rotate in place the heads [n_heads, 2 * half] of the tokens [TOKENS] (-1: none); cos, sin
-    are [TOKENS, 1, BLOCK_HALF] fp32."""
+    are [TOKENS, 1, BLOCK_HALF] fp32. NORM: each head RMS-normalised by the weight at w_ptr
+    first, rounded as rms_norm_ref rounds (the normalised value, then its product with the weight)."""
     heads = tl.arange(0, BLOCK_H)[None, :, None]
     cols = tl.arange(0, BLOCK_HALF)[None, None, :]
     mask = (tokens >= 0)[:, None, None] & (heads < n_heads) & (cols < half)
     first = ptr + tokens[:, None, None] * stride_t + heads * stride_h + cols
+    dtype = ptr.dtype.element_ty
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(ptr.dtype.element_ty), mask=mask)
-    tl.store(first + half, (x2 * cos + x1 * sin).to(ptr.dtype.element_ty), mask=mask)
+    if NORM:
+        inv_rms = 1 / tl.sqrt((tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / (2 * half) + eps)[:, :, None]
+        w1 = tl.load(w_ptr + cols, mask=cols < half, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + half + cols, mask=cols < half, other=0.0).to(tl.float32)
+        x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(first + half, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, T, n_q_heads, n_kv_heads, half,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, TOKENS: tl.constexpr,
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, qw_ptr, kw_ptr, eps, T, n_q_heads, n_kv_heads, half,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, NORM: tl.constexpr, TOKENS: tl.constexpr,
                  BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """TOKENS tokens a program: each one's cos/sin row is read once and used for all its q and k heads."""
     t = tl.program_id(0).to(tl.int64) * TOKENS + tl.arange(0, TOKENS)
@@ -113,11 +136,13 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, T, n_q_heads, n_kv_heads, h
     mask = (t >= 0)[:, None] & (cols < half)
     cos = tl.load(cs_row, mask=mask, other=0.0)[:, None, :]
     sin = tl.load(cs_row + half, mask=mask, other=0.0)[:, None, :]
-    _rotate_heads(q_ptr, t, stride_qt, n_q_heads, stride_qh, half, cos, sin, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr, t, stride_kt, n_kv_heads, stride_kh, half, cos, sin, BLOCK_HKV, BLOCK_HALF)
+    _rotate_heads(q_ptr, t, stride_qt, n_q_heads, stride_qh, half, cos, sin, qw_ptr, eps, NORM, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, t, stride_kt, n_kv_heads, stride_kh, half, cos, sin, kw_ptr, eps, NORM, BLOCK_HKV,
+                  BLOCK_HALF)
 
 
-def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                      norms: QKNorms | None = None):
     """apply_rope_ref in one launch, in place on q [T, Hq, D] and k [T, Hkv, D], which may be strided
     views (slices of the fused qkv output) as long as each head's D values are contiguous.
     positions must lie in [0, len(cos_sin)): they are not bounds-checked (that would sync the GPU)."""
@@ -130,9 +155,13 @@ def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         raise ValueError(f"cos_sin must be float32 [max_len, {D}] with contiguous rows")
     if not (q.device == k.device == positions.device == cos_sin.device):
         raise ValueError("q, k, positions and cos_sin must be on one device")
+    if norms is not None and any(w.shape != (D,) or w.dtype != x.dtype for w, x in zip(norms[:2], (q, k))):
+        raise ValueError(f"the q/k norms' weights must be [{D}] in the heads' dtype {q.dtype}, got "
+                         f"{[(tuple(w.shape), w.dtype) for w in norms[:2]]}")
     block_hq, block_hkv, block_half = (triton.next_power_of_2(n) for n in (n_q_heads, k.shape[1], D // 2))
     per_program = max(1, TOKEN_ELEMENTS // (2 * block_half * block_hq))   # powers of 2, all
+    q_weight, k_weight, eps = (q, k, 0.0) if norms is None else norms   # not read without norms
     _rope_kernel[(triton.cdiv(T, per_program),)](
-        q, k, positions, cos_sin, T, n_q_heads, k.shape[1], D // 2,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+        q, k, positions, cos_sin, q_weight, k_weight, eps, T, n_q_heads, k.shape[1], D // 2,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0), NORM=norms is not None,
         TOKENS=per_program, BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half)

@@ -52,10 +52,12 @@ class Attention(nn.Module):
         None: not rotated (what a press reads: nanokv/eviction/press.py)."""
         q, k, v = (part.unflatten(-1, (-1, self.head_dim))
                    for part in self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        norms = None if self.q_norm is None else kernels.QKNorms(self.q_norm.weight, self.k_norm.weight,
+                                                                 self.q_norm.eps)
         if rope_rows is not None:   # before caching: a kept key keeps its position
-            kernels.apply_rope(q, k, rope_rows, cos_sin)
+            kernels.apply_rope(q, k, rope_rows, cos_sin, norms)   # the norms first, in the same pass
+        elif norms is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

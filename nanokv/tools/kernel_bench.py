@@ -28,7 +28,7 @@ from kernels.attention.decode import decode_workspace, paged_decode_attention_tr
 from kernels.attention.prefill import paged_attention_triton
 from kernels.kv_store import quantize
 from kernels.norm import rms_norm_triton
-from kernels.rope import apply_rope_triton, rope_cos_sin_cache
+from kernels.rope import QKNorms, apply_rope_triton, rope_cos_sin_cache
 from models import AttentionMetadata, KVCache
 from models.loader import load_model
 from models.shapes import shape_config
@@ -172,7 +172,10 @@ def bench_elementwise(bw: float) -> list[dict]:
     cases = [("rms_norm", "8192x4096", lambda: rms_norm_triton(x, w, 1e-5), 2 * x.numel() * 2),
              ("silu_and_mul", "8192x2x14336", lambda: silu_and_mul_triton(gu), 1.5 * gu.numel() * 2),
              ("apply_rope", "8192 tokens, 32+8 heads x 128", lambda: apply_rope_triton(q, k, pos, cos_sin),
-              2 * (q.numel() + k.numel()) * 2)]   # rope: q and k read and written in place
+              2 * (q.numel() + k.numel()) * 2),   # rope: q and k read and written in place
+             ("apply_rope, q/k norms", "8192 tokens, 32+8 heads x 128",
+              lambda: apply_rope_triton(q, k, pos, cos_sin, QKNorms(w[:128], w[128:256], 1e-6)),
+              2 * (q.numel() + k.numel()) * 2)]   # Qwen3's: normalised first, in the same pass
     records = []
     for op, shape, fn, nbytes in cases:
         t = ms(fn)

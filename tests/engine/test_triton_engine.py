@@ -3,6 +3,8 @@
 On the CPU the kernels run in Triton's interpreter; on a GPU (marked tests)
 compiled, with and without CUDA graphs.
 """
+from collections import Counter
+
 import pytest
 import torch
 
@@ -117,6 +119,27 @@ def test_a_mixed_step_puts_its_decodes_first(tmp_path):
     expected = [[[pages[l][b][h][(lens[l][b][h] - k) // bs] * bs + (lens[l][b][h] - k) % bs for h in range(H)]
                  for b, k in rows] for l in range(L)]
     assert step.meta.slot_mapping.tolist() == expected
+
+
+def test_qwen3_s_q_and_k_norms_run_in_the_rope_kernel(tmp_path, backend, monkeypatch):
+    """A Qwen3 layer normalises q's and k's heads in the launch that rotates them (kernels.QKNorms):
+    per forward, one RoPE launch a layer, and the RMSNorm kernel only for the layer norms (two a
+    layer and the last), not for q and k as well."""
+    import kernels.rope
+
+    make_tiny_model(tmp_path, "qwen3")
+    backend("triton")
+    llm = LLM(str(tmp_path), dtype="float32", device=KERNEL_DEVICE, num_kv_blocks=32, max_model_len=160)
+    kernel_type, launches = type(kernels.rope._rope_kernel), Counter()
+    run = kernel_type.run
+
+    def counted(self, *args, **kwargs):
+        launches[self.__name__] += 1
+        return run(self, *args, **kwargs)
+    monkeypatch.setattr(kernel_type, "run", counted)
+    llm.generate([list(range(1, 20))], SamplingParams(temperature=0, max_tokens=1))   # one forward
+    layers = llm.runner.kv_cache.num_layers
+    assert (launches["_rope_kernel"], launches["_rms_norm_kernel"]) == (layers, 2 * layers + 1), launches
 
 
 @pytest.mark.gpu

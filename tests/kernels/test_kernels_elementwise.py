@@ -18,7 +18,7 @@ from kernels.compact import move_slots_ref, move_slots_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
+from kernels.rope import QKNorms, apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
 from nanokv.eviction.holes import hole_moves
 
@@ -91,14 +91,31 @@ def check_add_rms_norm(shape, dtype, device):
     assert_close(out, rms_norm_ref(new_res, weight, 1e-5))
 
 
-def check_rope(T, Hq, Hkv, D, dtype, device, apply_rope=apply_rope_triton):
+def check_rope(T, Hq, Hkv, D, dtype, device, apply_rope=apply_rope_triton, norm=False):
+    """apply_rope against the reference; with norm, each head RMS-normalised first (Qwen3's q/k
+    norms), which in the reference is exactly rms_norm_ref's output rotated."""
     cos_sin = rope_cos_sin_cache(D, 4096, 1e5, None).to(device)
     positions = torch.randint(0, 4096, (T,), device=device)  # unsorted, with repeats possible
     qkv, q, k, _ = fused_qkv(T, Hq, Hkv, D, dtype, device)
+    norms = QKNorms(*(1 + torch.randn(2, D, dtype=dtype, device=device) / 4), 1e-6) if norm else None
     expected = qkv.clone()
     q_ref, k_ref, _ = split_heads(expected, Hq, Hkv, D)
-    apply_rope_ref(q_ref, k_ref, positions, cos_sin)
-    apply_rope(q, k, positions, cos_sin)
+    if norm:   # the reference fused is the norms' reference, then the rotation's
+        q_normed, k_normed = rms_norm_ref(q_ref, norms.q_weight, 1e-6), rms_norm_ref(k_ref, norms.k_weight, 1e-6)
+        apply_rope_ref(q_normed, k_normed, positions, cos_sin)
+        apply_rope_ref(q_ref, k_ref, positions, cos_sin, norms)
+        assert torch.equal(q_ref, q_normed) and torch.equal(k_ref, k_normed)
+    else:
+        apply_rope_ref(q_ref, k_ref, positions, cos_sin)
+    apply_rope(q, k, positions, cos_sin, norms)
+    if norm and dtype == torch.bfloat16 and device == KERNEL_DEVICE:
+        # Three roundings to bf16 in a row (the normalised value, its product with the weight, the
+        # rotation), where the interpreter's rounding differs from torch's by an ulp: each head
+        # within 4 ulps of its largest value, the rest of the buffer untouched.
+        heads, want = (torch.cat(split_heads(x, Hq, Hkv, D)[:2], dim=1).float() for x in (qkv, expected))
+        assert ((heads - want).abs() <= 2 ** -5 * want.abs().amax(-1, keepdim=True)).all()
+        assert torch.equal(qkv[:, (Hq + Hkv) * D:], expected[:, (Hq + Hkv) * D:])
+        return
     assert_close(qkv, expected)  # the whole buffer: v and everything else untouched
 
 
@@ -149,17 +166,19 @@ def test_add_rms_norm(shape, dtype):
     check_add_rms_norm(shape, dtype, KERNEL_DEVICE)
 
 
+@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ROPE_CASES)
-def test_rope(case, dtype):
-    check_rope(*case, dtype, KERNEL_DEVICE)
+def test_rope(case, dtype, norm):
+    check_rope(*case, dtype, KERNEL_DEVICE, norm=norm)
 
 
+@pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", ROPE_CASES)
-def test_rope_cpu_backend(case, dtype):
+def test_rope_cpu_backend(case, dtype, norm):
     """The CPU backend's in-place rotation (float32; other dtypes are the reference itself)."""
-    check_rope(*case, dtype, "cpu", apply_rope=apply_rope_cpu)
+    check_rope(*case, dtype, "cpu", apply_rope=apply_rope_cpu, norm=norm)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
