@@ -28,7 +28,7 @@ from nanokv.engine.grammar import Grammar, Grammars
 from nanokv.engine.offload_costs import SwapCost
 from nanokv.engine.prefix_cache import PrefixCache
 from nanokv.engine.runner import ModelRunner
-from nanokv.engine.sampler import FAILED, SampledTokens
+from nanokv.engine.sampler import SampledTokens
 from nanokv.engine.scheduler import ScheduledBatch, Scheduler
 from nanokv.engine.sequence import KEPT_POSITIONS, STOPS, Sequence
 from nanokv.engine.timing import StepClock, Timings
@@ -281,24 +281,28 @@ class LLM:
         done = {seq.seq_id: reason for seq, reason in self.scheduler.record(sampled.seqs, tokens)}
         logprobs = sampled.read_logprobs(tokens)
         clock.lap("update")
-        errors = iter(sampled.errors.values())   # the rows that could not be sampled, in order
+        errors = sampled.errors   # the rows that could not be sampled
         rows = range(len(tokens))
-        if not (every_token or sampled.errors or logprobs or sampled.needs & STOPS):   # only an end has news
+        if not (every_token or errors or logprobs or sampled.needs & STOPS):   # only an end has news
             rows = [row for row, seq in enumerate(sampled.seqs) if seq.seq_id in done]
-        outputs, requests = [], self.requests
+        outputs, requests, seqs = [], self.requests, sampled.seqs
         for row in rows:
-            seq, token = sampled.seqs[row], tokens[row]
-            error = next(errors) if sampled.errors and token == FAILED else None
+            seq = seqs[row]
             request = requests.get(seq.seq_id)
-            if request is None or seq.is_finished:   # aborted, or ended by a stop string since
+            if request is None or seq.finish_reason is not None:   # aborted, or ended by a stop string since
                 continue
-            if error is not None:
-                outputs.append(self._fail(request, error))
+            token = tokens[row]
+            if errors and row in errors:
+                outputs.append(self._fail(request, errors[row]))
                 continue
             if logprobs and row in logprobs:
                 seq.logprobs.append(logprobs[row])
+            reason = done.get(seq.seq_id)
+            if reason is None and request.tokens_only and every_token:   # its token is all the news
+                outputs.append(RequestOutput(request, 0, "", [token], False, None, len(seq.output_token_ids)))
+                continue
             try:
-                out = self._emit(request, token, every_token, done.get(seq.seq_id))
+                out = self._emit(request, token, every_token, reason)
                 if out is not None:
                     outputs.append(out)
             except Exception as error:   # this request's own failure: it ends, the others go on

@@ -2,7 +2,7 @@
 engine keeps it: Request) and a snapshot of what it holds (EngineStats, LLM.stats())."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,10 @@ class Request:
     detokenizer: IncrementalDetokenizer | None   # None without a tokenizer: token ids only
     text: str = ""      # output text, cut at a stop string (it only grows until then)
     streamed: int = 0   # characters of `text` already handed out
+    tokens_only: bool = field(init=False)   # no text to decode nor stop strings: a step's news is its token
+
+    def __post_init__(self):
+        self.tokens_only = self.detokenizer is None and not self.seq.params.stop
 
 
 @dataclass(slots=True, repr=False)

@@ -11,6 +11,7 @@ import kernels
 from helpers import KERNEL_DEVICE, VOCAB, device_waits, preemption_prompts
 from nanokv import LLM, SamplingParams
 from nanokv.engine import sampler as sampler_module
+from nanokv.outputs import Request
 
 METHODS = ["full", "batchmax", "kvcompress", "snapkv", "h2o", "streamingllm", "ed"]
 HOST_GB = 0.002
@@ -96,6 +97,30 @@ def test_streamed_outputs_match_and_none_follows_a_finished_one(tiny_dir, method
         assert tokens[i] == (out.token_ids[:5] if i == aborted else out.token_ids)
     assert all([out.token_ids, out.text] == then for out, *then in handed_out)   # as they were
     assert llm.blocks.num_free == llm.blocks.num_blocks
+
+
+def test_a_request_read_as_token_ids_streams_what_the_text_path_would_give(monkeypatch):
+    """A model without a tokenizer: a step's output for a request that goes on is made at once from
+    its token (Request.tokens_only: no text to decode, no stop strings), and every output of step()
+    is the one LLM._emit makes, field by field, finishing ones and one aborted mid-stream too."""
+    fields = ("request_id", "new_token_ids", "token_ids", "text", "new_text", "finished", "finish_reason",
+              "num_tokens")
+    streams = []
+    for tokens_only in (True, False):
+        if not tokens_only:
+            monkeypatch.setattr(Request, "__post_init__", lambda request: setattr(request, "tokens_only", False))
+        llm = LLM("random:tiny", dtype="float32", num_threads=1, max_num_seqs=4)
+        ids = [llm.add_request([1 + i, 2, 3], SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=i % 2 == 1))
+               for i in range(6)]
+        assert {request.tokens_only for request in llm.requests.values()} == {tokens_only}
+        seen = []
+        while llm.has_unfinished():
+            outputs = llm.step()
+            seen.append([tuple(getattr(out, name) for name in fields) for out in outputs])
+            if any(out.request_id == ids[3] and out.num_tokens == 4 for out in outputs):
+                llm.abort(ids[3])
+        streams.append(seen)
+    assert streams[0] == streams[1] and sum(map(len, streams[0])) > 30
 
 
 def test_generate_hands_a_step_s_tokens_on_only_for_the_requests_that_end_in_it(tiny_dir, monkeypatch):
