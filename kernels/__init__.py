@@ -347,10 +347,10 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
     return out
 
 
-__all__ = ["BACKENDS", "DecodeWorkspace", "PackedLinear", "QKNorms", "QUANT_MAX", "StepPlan", "add_rms_norm", "apply_rope",
-           "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits", "decode_partials",
-           "decode_wave", "decode_workspace_for", "dequantize", "forced_backend", "from_host", "from_host_many",
-           "logits_scratch", "long_rope_rows", "move_pages", "move_slots", "pack_arrays", "packs_weights",
-           "paged_attention", "plan_step", "prefill_num_splits", "prefill_split_bytes", "prefill_wave",
-           "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot", "set_backend",
-           "silu_and_mul", "split_count", "store_kv", "to_host"]
+__all__ = ["BACKENDS", "DecodeWorkspace", "PackedLinear", "QKNorms", "QUANT_MAX", "StepPlan", "add_rms_norm",
+           "apply_rope", "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits",
+           "decode_partials", "decode_wave", "decode_workspace_for", "dequantize", "forced_backend", "from_host",
+           "from_host_many", "logits_scratch", "long_rope_rows", "move_pages", "move_slots", "pack_arrays",
+           "packs_weights", "paged_attention", "plan_step", "prefill_num_splits", "prefill_split_bytes",
+           "prefill_wave", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
+           "set_backend", "silu_and_mul", "split_count", "store_kv", "to_host"]

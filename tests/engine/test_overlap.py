@@ -110,8 +110,8 @@ def test_a_request_read_as_token_ids_streams_what_the_text_path_would_give(monke
         if not tokens_only:
             monkeypatch.setattr(Request, "__post_init__", lambda request: setattr(request, "tokens_only", False))
         llm = LLM("random:tiny", dtype="float32", num_threads=1, max_num_seqs=4)
-        ids = [llm.add_request([1 + i, 2, 3], SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=i % 2 == 1))
-               for i in range(6)]
+        ids = [llm.add_request([1 + i, 2, 3], SamplingParams(temperature=0, max_tokens=6 + 3 * i,
+                                                             ignore_eos=i % 2 == 1)) for i in range(6)]
         assert {request.tokens_only for request in llm.requests.values()} == {tokens_only}
         seen = []
         while llm.has_unfinished():
