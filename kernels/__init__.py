@@ -31,6 +31,7 @@ from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_trito
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.linear_cpu import PackedLinear, can_prepack, prepack_linears
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.repaging import repage_ref, repage_triton
 from kernels.rope import QKNorms, apply_rope_ref, apply_rope_triton, long_rope_rows, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
 from kernels.transfer import from_host, from_host_many, pack_arrays, to_host
@@ -46,13 +47,16 @@ class Ops(NamedTuple):
     add_rms_norm: Callable
     apply_rope: Callable
     move_slots: Callable
+    repage: Callable
 
 
 _OPS = {
-    "torch": Ops(silu_and_mul_ref, store_kv_ref, rms_norm_ref, add_rms_norm_ref, apply_rope_ref, move_slots_ref),
-    "cpu": Ops(silu_and_mul_ref, store_kv_cpu, rms_norm_ref, add_rms_norm_ref, apply_rope_cpu, move_slots_ref),
+    "torch": Ops(silu_and_mul_ref, store_kv_ref, rms_norm_ref, add_rms_norm_ref, apply_rope_ref, move_slots_ref,
+                 repage_ref),
+    "cpu": Ops(silu_and_mul_ref, store_kv_cpu, rms_norm_ref, add_rms_norm_ref, apply_rope_cpu, move_slots_ref,
+               repage_ref),
     "triton": Ops(silu_and_mul_triton, store_kv_triton, rms_norm_triton, add_rms_norm_triton, apply_rope_triton,
-                  move_slots_triton),
+                  move_slots_triton, repage_triton),
 }
 _forced: str | None = None
 
@@ -126,6 +130,13 @@ def move_pages(buffers: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.
     bs, num_pages = buffers[0].shape[1], src.shape[-1]
     slots = torch.arange(num_pages * bs, device=src.device)
     _ops(src).move_slots(buffers, torch.cat([src, dst], dim=-1), slots[None], slots[None] + num_pages * bs)
+
+
+def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int,
+           share_cap: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KV-Compress's pages moved out of the blocks given back, the unused ones shared out
+    (kernels/repaging.py)."""
+    return _ops(tables).repage(tables, kept, staying, max_moves, num_pages, share_cap, width)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -352,5 +363,5 @@ __all__ = ["BACKENDS", "DecodeWorkspace", "PackedLinear", "QKNorms", "QUANT_MAX"
            "decode_partials", "decode_wave", "decode_workspace_for", "dequantize", "forced_backend", "from_host",
            "from_host_many", "logits_scratch", "long_rope_rows", "move_pages", "move_slots", "pack_arrays",
            "packs_weights", "paged_attention", "plan_step", "prefill_num_splits", "prefill_split_bytes",
-           "prefill_wave", "prepack_linears", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
+           "prefill_wave", "prepack_linears", "repage", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
            "set_backend", "silu_and_mul", "split_count", "store_kv", "to_host"]

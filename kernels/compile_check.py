@@ -263,6 +263,13 @@ def _elementwise_case(shape: str, dtype: str) -> Callable[[], None]:
     return run
 
 
+def _repage_case() -> None:
+    """KV-Compress's pages repaged after an eviction (kernels/repaging.py)."""
+    from kernels.repaging import repage_triton
+    repage_triton(torch.zeros(2, 3, 4, 5, dtype=torch.int32), torch.zeros(2, 3, 4, dtype=torch.long),
+                  torch.zeros(2, 60, dtype=torch.int32), 4, 100, torch.zeros(2, dtype=torch.long), 6)
+
+
 def default_cases() -> dict[str, Callable[[], None]]:
     """A representative subset (the full product of dtypes, head_dims, block sizes and
     groups compiles too, in ~30 minutes): each dtype, head_dim 64, 96 and 128, block 16
@@ -309,6 +316,7 @@ def default_cases() -> dict[str, Callable[[], None]]:
         cases[f"key scores 512, {tag}"] = _attention_case("key_scores", shape, dtype, 16, query_len=512,
                                                           cache=cache)
         cases[f"store, {tag}"] = _store_case(shape, dtype, cache)
+    cases["repage"] = _repage_case
     return cases
 
 

@@ -32,7 +32,7 @@ from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import Sequence
 from nanokv.eviction import HeldPairs, KVMethod
 from nanokv.eviction.holes import hole_moves, lowest
-from nanokv.eviction.pages import choose_pages, eviction_order, held_pages, kept_slots, packed_moves, page_costs, repage
+from nanokv.eviction.pages import choose_pages, eviction_order, held_pages, kept_slots, packed_moves, page_costs
 
 PIECE_BYTES = 256 * 2**20
 PIECE_SHARE = 64   # on a GPU a piece may take 1/64 of its memory, if that is more than PIECE_BYTES
@@ -321,8 +321,9 @@ class Evictor:
         for start, stop in dict.fromkeys((in_piece.start, in_piece.stop) for in_piece, _ in pieces):
             part = slice(start, stop)   # whole sequences, as many as a piece holds
             width = max(seq.own_pages.width + pages for seq, pages in zip(seqs[part], room[part]))
-            part_tables, src, dst, widths = repage(tables[part], kept_pages[part], staying[part], max(given_back[part]),
-                                                   len(self.cache.positions), on_device["room"][part], width)
+            part_tables, src, dst, widths = kernels.repage(tables[part], kept_pages[part], staying[part],
+                                                           max(given_back[part]), len(self.cache.positions),
+                                                           on_device["room"][part], width)
             kernels.move_pages(self.cache.per_slot, src, dst)
             self.moved_pairs += (src != dst).sum() * bs
             for seq in seqs[part]:

@@ -9,11 +9,12 @@ page evictions over all heads are taken, a head's e-th before its e+1-th as thei
 decrease, every head keeping at least floor_pages pages: choose_pages. Each head then keeps its
 other slots, the survivors above its new length moving into the holes below it: kept_slots; a
 sequence's moves are packed together, as many as its blocks hold beyond its kept pairs: packed_moves.
-All but choose_pages run on the layers a piece at a time, choose_pages on them all.
+All but choose_pages run on the layers a piece at a time, choose_pages on them all. The pages a
+head keeps in the blocks its sequence gives back then move into the blocks it keeps (kernels.repage).
 
-Pure tensor functions of sequences' pages: one sequence's, or (but repage) several
-evicted together along leading dimensions; the eviction surgery (nanokv/engine/evict.py)
-reads the pairs from the cache and moves them.
+Pure tensor functions of sequences' pages: one sequence's, or several evicted together along
+leading dimensions; the eviction surgery (nanokv/engine/evict.py) reads the pairs from the
+cache and moves them.
 """
 from __future__ import annotations
 
@@ -96,53 +97,3 @@ def packed_moves(src: torch.Tensor, dst: torch.Tensor, valid: torch.Tensor,
     src, dst, valid = (src + first).flatten(1), (dst + first).flatten(1), valid.flatten(1)
     at = torch.where(valid, valid.cumsum(-1), 0)   # valid: columns 1, 2, ...; the rest: column 0, dropped
     return tuple(moves[:, n - 1:n].expand(S, max_moves + 1).scatter(-1, at, moves)[:, 1:] for moves in (src, dst))
-
-
-def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int,
-           share_cap: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For S sequences evicted together, whose pages are all distinct: head (s, l, h) now uses
-    only the first kept[s, l, h] pages of its table [S, L, H, W] (head (s, 0, 0) at least one:
-    every head keeps floor_pages). Its pages in blocks sequence s gives back move to unused pages
-    among staying[s] (the pages of the blocks it keeps, -1 where a sequence keeps fewer than
-    another), the r-th of a sequence's leaving pages in (l, h, column) order to its r-th unused
-    one; then every head gets an equal share of its sequence's unused ones after those, in order,
-    at most share_cap[s], for the tokens it reads until the next eviction. Every shape is known
-    without reading the device's values (width bounds every head's kept pages and share); the
-    pages a sequence uses and keeps are told apart by marks over all num_pages pages (torch.isin
-    would wait for the device).
-
-    Returns the new tables [S, L, H, width] (columns past a head's pages: page 0), the moves
-    [S, max_moves] (page src's content goes to dst) and each sequence's widest head's pages
-    [S]. max_moves bounds a sequence's leaving pages; the moves past a sequence's own copy head
-    (s, 0, 0)'s first page onto itself (a page in use: moves write only unused ones).
-    """
-    S, L, H, W = tables.shape
-    device = tables.device
-
-    def marks(pages: torch.Tensor) -> torch.Tensor:   # [num_pages + 1]: True at pages and at num_pages (none)
-        marked = torch.zeros(num_pages + 1, dtype=torch.bool, device=device).index_fill_(0, pages.flatten(), True)
-        marked[num_pages:].fill_(True)   # fill_ takes the scalar as an argument; an assignment copies it from the host
-        return marked
-    in_use = torch.arange(W, device=device) < kept[..., None]
-    used = torch.where(in_use, tables, num_pages).flatten(1).long()   # [S, N]
-    stay = torch.where(staying >= 0, staying, num_pages).long()      # pages are distinct: any sequence's stay will do
-    leaving = ~marks(stay)[used]      # used pages outside the blocks kept (a column not in use: num_pages)
-    unused = ~marks(used)[stay]       # [S, P]: pages of the blocks kept that no head uses (padding: num_pages)
-    num_leaving = leaving.sum(-1)                                    # [S]
-    rank = leaving.cumsum(-1) - 1                                    # among a sequence's leaving pages
-    unused_first = staying.gather(-1, (~unused).int().argsort(dim=-1, stable=True))
-    moved_to = unused_first.gather(-1, rank.clamp(min=0))
-    moves = max(max_moves, 1)
-    at = torch.where(leaving, rank, moves)                           # the rest to a column dropped below
-    idle = used[:, :1].expand(S, moves + 1)
-    src, dst = (idle.scatter(-1, at, pages)[:, :moves] for pages in (used, moved_to.long()))
-    tables = torch.where(leaving, moved_to, used).view(S, L, H, W).where(in_use, tables).to(tables.dtype)
-    share = torch.minimum((unused.sum(-1) - num_leaving) // (L * H), share_cap)[:, None, None, None]
-    column = torch.arange(width, device=device)
-    old = tables.gather(-1, column.clamp(max=W - 1).expand(S, L, H, width))
-    extra = column - kept[..., None]                                 # index of the spare page a column takes
-    head = torch.arange(L * H, device=device).view(1, L, H, 1)
-    spare = (num_leaving[:, None, None, None] + extra.clamp(min=0) * L * H + head).clamp(max=staying.shape[-1] - 1)
-    new = unused_first.gather(-1, spare.flatten(1)).view(S, L, H, width)
-    widths = kept.flatten(1).amax(1) + share[:, 0, 0, 0]
-    return torch.where(extra < 0, old, torch.where(extra < share, new, 0)), src, dst, widths

@@ -5,6 +5,7 @@ import torch
 import kernels
 from helpers import VOCAB
 from kernels.compact import move_slots_ref, move_slots_triton
+from kernels.repaging import repage_ref, repage_triton
 from nanokv import LLM, SamplingParams
 from nanokv.config import EngineConfig
 from nanokv.eviction.settings import method_for
@@ -174,6 +175,25 @@ def test_the_moves_an_eviction_makes_are_the_triton_kernel_s_too(tiny_dir, monke
     llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, kv_method=m, kv_budget=32,
                                           evict_every=16) for m in ("batchmax", "kvcompress", "kvcompress")])
     assert len({len(shape) for shape in calls}) == 2 and len(calls) > 6   # heads' moves [S, L, H, k], sequences' [S, m]
+
+
+def test_the_pages_kvcompress_repages_are_the_triton_kernel_s_too(tiny_dir, monkeypatch):
+    """Every repage of kvcompress's evictions, made on the CPU backend (the reference), is made
+    again by the Triton kernel in the interpreter: the same tables, moves and widths, whether a
+    step evicts one sequence or several."""
+    calls = []
+
+    def both(*args):
+        expected = repage_ref(*args)
+        calls.append(len(args[0]))
+        assert all(torch.equal(a, b) for a, b in zip(repage_triton(*args), expected))
+        return expected
+    monkeypatch.setitem(kernels._OPS, "cpu", kernels._OPS["cpu"]._replace(repage=both))
+    llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, block_size=8)
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (60, 75, 50, 60)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_method="kvcompress",
+                                         kv_budget=32, evict_every=8))
+    assert len(calls) > 6 and max(calls) > 1
 
 
 def test_plot_of_kept_positions_is_written(llm, tmp_path):

@@ -17,7 +17,10 @@ import math
 import pytest
 import torch
 
-from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, packed_moves, page_costs, repage
+import kernels
+from kernels.repaging import repage_ref, repage_triton
+from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, packed_moves, page_costs
+from helpers import KERNEL_DEVICE
 from oracle import BLOCK, differences, distinct_prompt as prompt, engine
 
 # ----- the block-eviction schedule on its own ---------------------------------------------
@@ -91,8 +94,18 @@ def test_page_eviction_takes_the_cheapest_pages_across_heads(seed):
             assert sorted(v - first for v in heads[first:first + len(slots)]) == slots
 
 
+def repage_on_kernel_device(*args):
+    """repage_triton where Triton kernels run here (the interpreter on the CPU, else the GPU)."""
+    on_device = repage_triton(*(a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
+    return tuple(x.cpu() for x in on_device)
+
+
+REPAGES = [pytest.param(repage_ref, id="reference"), pytest.param(repage_on_kernel_device, id="triton")]
+
+
+@pytest.mark.parametrize("repage", REPAGES)
 @pytest.mark.parametrize("tight", [False, True])
-def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out(tight):
+def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out(tight, repage):
     """Two sequences repaged together (their pages distinct): each as if alone, whatever the
     bound on the moves (tight: the most pages one of them moves); the second's heads get no
     more spare pages than its cap, and the tables are as wide as the host's bound says."""
@@ -128,7 +141,8 @@ def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out(tight):
         assert len(set(everything)) == len(everything) and set(everything) <= set(staying[s].tolist())
 
 
-def test_a_sequence_keeping_fewer_blocks_than_another_is_never_handed_their_padding():
+@pytest.mark.parametrize("repage", REPAGES)
+def test_a_sequence_keeping_fewer_blocks_than_another_is_never_handed_their_padding(repage):
     """staying's -1 entries (a sequence keeping fewer blocks than another) are no pages: not
     unused ones to share out, also when every column of every head is in use (no column
     names 'none' among the pages used)."""
@@ -319,7 +333,6 @@ def test_kvcompress_sequences_evicting_together_keep_what_each_keeps_alone(model
     chosen and moved together, before and after their heads have pages of their own): each
     keeps the oracle's positions and tokens. late: the widths an eviction leaves reach the host
     only after two more queries, as on a GPU that is behind (the next evictions take bounds)."""
-    from nanokv.engine import evict
     from nanokv.engine.head_pages import Landing
 
     if late:
@@ -329,13 +342,13 @@ def test_kvcompress_sequences_evicting_together_keep_what_each_keeps_alone(model
             queried[id(landing)] = queried.get(id(landing), 0) + 1
             return values(landing) if queried[id(landing)] > 6 else None
         monkeypatch.setattr(Landing, "values", landing_late)
-    repage, bounds = evict.repage, []
+    repage, bounds = kernels.repage, []
 
     def bounded(*args):
         new_tables, src, dst, widths = repage(*args)
         bounds.append((args[-1], int(widths.max())))   # the host's bound, the widest head's pages
         return new_tables, src, dst, widths
-    monkeypatch.setattr(evict, "repage", bounded)
+    monkeypatch.setattr(kernels, "repage", bounded)
     path, _, oracle = model
     llm = engine(path, block_size=4)
     prompts = [prompt(60, seed=seed) for seed in range(3)]

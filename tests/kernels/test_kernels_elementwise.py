@@ -18,6 +18,7 @@ from kernels.compact import move_slots_ref, move_slots_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.repaging import BLOCK as REPAGE_BLOCK, repage_ref, repage_triton
 from kernels.rope import QKNorms, apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
 from nanokv.eviction.holes import hole_moves
@@ -179,6 +180,34 @@ def test_rope(case, dtype, norm):
 def test_rope_cpu_backend(case, dtype, norm):
     """The CPU backend's in-place rotation (float32; other dtypes are the reference itself)."""
     check_rope(*case, dtype, "cpu", apply_rope=apply_rope_cpu, norm=norm)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_repage_kernel_is_the_reference_over_more_pages_than_a_program_takes_at_once(seed):
+    """KV-Compress's repage (kernels/repaging.py) for sequences of 4 layers x 8 heads x up to 40 pages
+    (more columns, and more pages kept, than a program takes at once): each keeps about half the
+    pages its heads use, the rest leave; the same tables, moves and widths as the reference, with
+    a bound on the moves loose or tight."""
+    g = torch.Generator().manual_seed(seed)
+    S, L, H, W = 2, 4, 8, 40
+    pools = torch.randperm(4 * S * L * H * W, generator=g).view(S, -1).int()   # each sequence's pages
+    tables = pools[:, :L * H * W].reshape(S, L, H, W)
+    kept = torch.randint(0, W + 1, (S, L, H), generator=g)
+    kept[:, 0, 0] = kept[:, 0, 0].clamp(min=1)
+    in_use = torch.arange(W) < kept[..., None]
+    staying = torch.full((S, 2 * L * H * W), -1, dtype=torch.int32)
+    for s in range(S):
+        used = tables[s][in_use[s]]
+        staying_used = used[torch.rand(len(used), generator=g) < 0.5]
+        free = pools[s, L * H * W:][:len(used) + 50]   # room for every page that leaves, and spare ones
+        pages = torch.cat([staying_used, free])
+        staying[s, :len(pages)] = pages[torch.randperm(len(pages), generator=g)]
+    leaving = max(int((in_use[s] & ~torch.isin(tables[s], staying[s])).sum()) for s in range(S))
+    assert tables[0].numel() > REPAGE_BLOCK and staying.shape[-1] > REPAGE_BLOCK and leaving > 0
+    for max_moves in (L * H * W, leaving):
+        args = tables, kept, staying, max_moves, 4 * S * L * H * W, torch.tensor([3, 1]), W + 2
+        on_device = repage_triton(*(a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(on_device, repage_ref(*args)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
