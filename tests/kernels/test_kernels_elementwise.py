@@ -182,32 +182,31 @@ def test_rope_cpu_backend(case, dtype, norm):
     check_rope(*case, dtype, "cpu", apply_rope=apply_rope_cpu, norm=norm)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_the_repage_kernel_is_the_reference_over_more_pages_than_a_program_takes_at_once(seed):
+@pytest.mark.parametrize("draw", range(3))
+def test_the_repage_kernel_is_the_reference_over_more_pages_than_a_program_takes_at_once(draw):
     """KV-Compress's repage (kernels/repaging.py) for sequences of 4 layers x 8 heads x up to 40 pages
     (more columns, and more pages kept, than a program takes at once): each keeps about half the
     pages its heads use, the rest leave; the same tables, moves and widths as the reference, with
     a bound on the moves loose or tight."""
-    g = torch.Generator().manual_seed(seed)
     S, L, H, W = 2, 4, 8, 40
-    pools = torch.randperm(4 * S * L * H * W, generator=g).view(S, -1).int()   # each sequence's pages
-    tables = pools[:, :L * H * W].reshape(S, L, H, W)
-    kept = torch.randint(0, W + 1, (S, L, H), generator=g)
-    kept[:, 0, 0] = kept[:, 0, 0].clamp(min=1)
-    in_use = torch.arange(W) < kept[..., None]
-    staying = torch.full((S, 2 * L * H * W), -1, dtype=torch.int32)
-    for s in range(S):
-        used = tables[s][in_use[s]]
-        staying_used = used[torch.rand(len(used), generator=g) < 0.5]
-        free = pools[s, L * H * W:][:len(used) + 50]   # room for every page that leaves, and spare ones
-        pages = torch.cat([staying_used, free])
-        staying[s, :len(pages)] = pages[torch.randperm(len(pages), generator=g)]
+    with torch.device(KERNEL_DEVICE):
+        pools = torch.randperm(4 * S * L * H * W).view(S, -1).int()   # each sequence's pages
+        tables = pools[:, :L * H * W].reshape(S, L, H, W)
+        kept = torch.randint(0, W + 1, (S, L, H))
+        kept[:, 0, 0] = kept[:, 0, 0].clamp(min=1)
+        in_use = torch.arange(W) < kept[..., None]
+        staying = torch.full((S, 2 * L * H * W), -1, dtype=torch.int32)
+        for s in range(S):
+            used = tables[s][in_use[s]]
+            free = pools[s, L * H * W:][:len(used) + 50]   # room for every page that leaves, and spare ones
+            pages = torch.cat([used[torch.rand(len(used)) < 0.5], free])
+            staying[s, :len(pages)] = pages[torch.randperm(len(pages))]
+        share_cap = torch.tensor([3, 1])
     leaving = max(int((in_use[s] & ~torch.isin(tables[s], staying[s])).sum()) for s in range(S))
     assert tables[0].numel() > REPAGE_BLOCK and staying.shape[-1] > REPAGE_BLOCK and leaving > 0
     for max_moves in (L * H * W, leaving):
-        args = tables, kept, staying, max_moves, 4 * S * L * H * W, torch.tensor([3, 1]), W + 2
-        on_device = repage_triton(*(a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
-        assert all(torch.equal(a.cpu(), b) for a, b in zip(on_device, repage_ref(*args)))
+        args = tables, kept, staying, max_moves, 4 * S * L * H * W, share_cap, W + 2
+        assert all(torch.equal(a, b) for a, b in zip(repage_triton(*args), repage_ref(*args)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
