@@ -133,12 +133,13 @@ def test_prompt_logprobs_under_a_large_budget_equal_full(llm):
 
 
 def test_evicting_engine_on_triton_kernels_matches_references(tiny_dir):
-    """Prefill key scores, decode scores, compaction: the interpreted Triton path and the CPU
-    backend keep the same pairs as the references, for every ranking."""
+    """Prefill key scores, decode scores, compaction, kvcompress's pages: the interpreted Triton
+    path and the CPU backend keep the same pairs as the references, for every ranking."""
     methods = (("batchmax", None, 32, {}), ("decode_only", None, 48, {}), ("ed", None, 5, {}),
                ("h2o", "prefill", 32, {}), ("knorm", "decode", 32, {}), ("streamingllm", "once", 32, {}),
-               ("tova", "prefill", 32, {}), ("snapkv", "decode", 32, dict(kv_window=8, kv_pool=3)))
-    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (28, 50, 60, 50, 40, 40, 55, 40)]   # each evicts
+               ("tova", "prefill", 32, {}), ("snapkv", "decode", 32, dict(kv_window=8, kv_pool=3)),
+               ("kvcompress", None, 32, {}), ("kvcompress", None, 32, {}))
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (28, 50, 60, 50, 40, 40, 55, 40, 60, 45)]   # each evicts
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, kv_method=m, kv_schedule=schedule,
                              kv_budget=b, evict_every=16, return_kept_positions=True, **extra)
               for m, schedule, b, extra in methods]
