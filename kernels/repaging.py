@@ -6,8 +6,8 @@ The torch reference is some fifty ops, each a launch on a GPU whatever the batch
 kvcompress eviction step's host pays for. The Triton kernel does it in one launch, a program a
 sequence, in three phases over the sequence's pages, a barrier between each: mark the pages its
 heads use and the pages of the blocks it keeps (in a fresh zeroed array over the pool's pages,
-which each sequence touches only at its own pages); count, and lay out its unused pages first;
-then its moves and tables. A barrier makes what every thread of a program stored visible to all
+which each sequence touches only at its own pages); lay out its unused pages; then its moves,
+tables and widths. A barrier makes what every thread of a program stored visible to all
 of them: the phases need nothing of other programs.
 """
 import torch
@@ -84,8 +84,9 @@ def _columns(tables, kept, column, N, W):
 @triton.jit
 def _repage_kernel(tables, kept, staying, share_cap, marks, unused_first, out, src, dst, widths,
                    LH, W, P, num_pages, num_moves, width, BLOCK: tl.constexpr):
-    """Sequence s's repage_ref; unused_first [S, P]: scratch; marks [2, num_pages]: zeros (the
-    pages of blocks kept, the pages used)."""
+    """Sequence s's repage_ref; unused_first [S, P]: scratch, where only the unused pages are laid
+    out (the reference's rest is never read); marks [2, num_pages]: zeros (the pages of blocks
+    kept, the pages used)."""
     s = tl.program_id(0).to(tl.int64)
     at = tl.arange(0, BLOCK)
     tables, kept, staying = tables + s * LH * W, kept + s * LH, staying + s * P
@@ -99,41 +100,26 @@ def _repage_kernel(tables, kept, staying, share_cap, marks, unused_first, out, s
         page = tl.load(staying + p + at, mask=p + at < P, other=-1).to(tl.int64)
         tl.store(marks + page, tl.full([BLOCK], 1, tl.int8), mask=page >= 0)
     tl.debug_barrier()
-    num_unused = 0   # phase 2: count, and lay out the unused pages of the blocks kept first
+    num_unused = 0   # phase 2: the unused pages of the blocks kept, laid out in order
     for p in range(0, P, BLOCK):
-        page = tl.load(staying + p + at, mask=p + at < P, other=-1).to(tl.int64)
-        used = tl.load(marks + num_pages + page, mask=page >= 0, other=1)
-        num_unused += tl.sum(((page >= 0) & (used == 0)).to(tl.int32), axis=0)
-    unused_before, rest_before = 0, 0
-    for p in range(0, P, BLOCK):
-        valid = p + at < P
-        page = tl.load(staying + p + at, mask=valid, other=-1)
+        page = tl.load(staying + p + at, mask=p + at < P, other=-1)
         unused = (page >= 0) & (tl.load(marks + num_pages + page.to(tl.int64), mask=page >= 0, other=1) == 0)
-        rest = valid & ~unused
-        place = tl.where(unused, _exclusive_count(unused, unused_before),
-                         num_unused + _exclusive_count(rest, rest_before))
-        tl.store(unused_first + place, page, mask=valid)
-        unused_before += tl.sum(unused.to(tl.int32), axis=0)
-        rest_before += tl.sum(rest.to(tl.int32), axis=0)
-    num_leaving = 0
-    for i in range(0, N, BLOCK):
-        page, in_use = _columns(tables, kept, i + at, N, W)
-        leaving = in_use & (tl.load(marks + page.to(tl.int64), mask=in_use, other=1) == 0)
-        num_leaving += tl.sum(leaving.to(tl.int32), axis=0)
+        tl.store(unused_first + _exclusive_count(unused, num_unused), page, mask=unused)
+        num_unused += tl.sum(unused.to(tl.int32), axis=0)
     tl.debug_barrier()
-    share = tl.minimum((num_unused - num_leaving) // LH, tl.load(share_cap + s))   # phase 3: moves and tables
-    leaving_before = 0
+    num_leaving = 0   # phase 3: moves and tables
     for i in range(0, N, BLOCK):   # the columns in use: a leaving page moves to the next unused one
         column = i + at
         page, in_use = _columns(tables, kept, column, N, W)
         leaving = in_use & (tl.load(marks + page.to(tl.int64), mask=in_use, other=1) == 0)
-        rank = _exclusive_count(leaving, leaving_before)
+        rank = _exclusive_count(leaving, num_leaving)
         moved_to = tl.load(unused_first + rank, mask=leaving, other=0)
         tl.store(src + rank, page.to(tl.int64), mask=leaving & (rank < num_moves))
         tl.store(dst + rank, moved_to.to(tl.int64), mask=leaving & (rank < num_moves))
         tl.store(out + (column // W) * width + column % W, tl.where(leaving, moved_to, page),
                  mask=in_use & (column % W < width))
-        leaving_before += tl.sum(leaving.to(tl.int32), axis=0)
+        num_leaving += tl.sum(leaving.to(tl.int32), axis=0)
+    share = tl.minimum((num_unused - num_leaving) // LH, tl.load(share_cap + s))
     first = tl.load(tables)   # the rest of the moves: head (s, 0, 0)'s first page onto itself
     idle = tl.where(tl.load(kept) > 0, first.to(tl.int64), num_pages)
     for j in range(0, num_moves, BLOCK):
@@ -144,7 +130,7 @@ def _repage_kernel(tables, kept, staying, share_cap, marks, unused_first, out, s
         column = i + at
         head = column // width
         extra = column % width - tl.load(kept + head, mask=column < LH * width, other=0)
-        spare = tl.minimum(num_leaving + extra * LH + head, P - 1)
+        spare = num_leaving + extra * LH + head   # below num_unused where extra < share
         page = tl.load(unused_first + spare, mask=(column < LH * width) & (extra >= 0) & (extra < share), other=0)
         tl.store(out + column, page, mask=(column < LH * width) & (extra >= 0))
     widest = 0
@@ -166,5 +152,6 @@ def repage_triton(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tenso
     unused_first = torch.empty(S, P, dtype=staying.dtype, device=device)
     marks = torch.zeros(2 * num_pages, dtype=torch.int8, device=device)
     _repage_kernel[(S,)](tables.contiguous(), kept.contiguous(), staying.contiguous(), share_cap, marks,
-                         unused_first, out, src, dst, widths, L * H, W, P, num_pages, moves, width, BLOCK=BLOCK)
+                         unused_first, out, src, dst, widths, L * H, W, P, num_pages, moves, width, BLOCK=BLOCK,
+                         num_warps=8)   # at 4 warps its blocks of 1024 spill on sm_80 (kernels/compile_check.py)
     return out, src, dst, widths
