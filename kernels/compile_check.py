@@ -270,6 +270,13 @@ def _repage_case() -> None:
                   torch.zeros(2, 60, dtype=torch.int32), 4, 100, torch.zeros(2, dtype=torch.long), 6)
 
 
+def _page_holes_case() -> None:
+    """KV-Compress's hole-filling moves after an eviction (kernels/page_holes.py)."""
+    from kernels.page_holes import page_hole_moves_triton
+    page_hole_moves_triton(torch.zeros(2, 3, 4, 32, dtype=torch.long), torch.zeros(2, 3, 4, dtype=torch.int32),
+                           torch.zeros(2, 3, 4, dtype=torch.long), 16, 40, torch.zeros(2, dtype=torch.long))
+
+
 def default_cases() -> dict[str, Callable[[], None]]:
     """A representative subset (the full product of dtypes, head_dims, block sizes and
     groups compiles too, in ~30 minutes): each dtype, head_dim 64, 96 and 128, block 16
@@ -317,6 +324,7 @@ def default_cases() -> dict[str, Callable[[], None]]:
                                                           cache=cache)
         cases[f"store, {tag}"] = _store_case(shape, dtype, cache)
     cases["repage"] = _repage_case
+    cases["page holes"] = _page_holes_case
     return cases
 
 

@@ -68,7 +68,7 @@ def repage_ref(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, 
 
 
 @triton.jit
-def _exclusive_count(flags, carry):
+def exclusive_count(flags, carry):
     """Each flag's place among the flags set so far: carry + those set before it."""
     return carry + tl.cumsum(flags.to(tl.int32), axis=0) - flags.to(tl.int32)
 
@@ -104,7 +104,7 @@ def _repage_kernel(tables, kept, staying, share_cap, marks, unused_first, out, s
     for p in range(0, P, BLOCK):
         page = tl.load(staying + p + at, mask=p + at < P, other=-1)
         unused = (page >= 0) & (tl.load(marks + num_pages + page.to(tl.int64), mask=page >= 0, other=1) == 0)
-        tl.store(unused_first + _exclusive_count(unused, num_unused), page, mask=unused)
+        tl.store(unused_first + exclusive_count(unused, num_unused), page, mask=unused)
         num_unused += tl.sum(unused.to(tl.int32), axis=0)
     tl.debug_barrier()
     num_leaving = 0   # phase 3: moves and tables
@@ -112,7 +112,7 @@ def _repage_kernel(tables, kept, staying, share_cap, marks, unused_first, out, s
         column = i + at
         page, in_use = _columns(tables, kept, column, N, W)
         leaving = in_use & (tl.load(marks + page.to(tl.int64), mask=in_use, other=1) == 0)
-        rank = _exclusive_count(leaving, num_leaving)
+        rank = exclusive_count(leaving, num_leaving)
         moved_to = tl.load(unused_first + rank, mask=leaving, other=0)
         tl.store(src + rank, page.to(tl.int64), mask=leaving & (rank < num_moves))
         tl.store(dst + rank, moved_to.to(tl.int64), mask=leaving & (rank < num_moves))

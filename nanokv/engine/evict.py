@@ -32,7 +32,7 @@ from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import Sequence
 from nanokv.eviction import HeldPairs, KVMethod
 from nanokv.eviction.holes import hole_moves, lowest
-from nanokv.eviction.pages import choose_pages, eviction_order, held_pages, kept_slots, packed_moves, page_costs
+from nanokv.eviction.pages import choose_pages, eviction_order, held_pages, page_costs
 
 PIECE_BYTES = 256 * 2**20
 PIECE_SHARE = 64   # on a GPU a piece may take 1/64 of its memory, if that is more than PIECE_BYTES
@@ -296,18 +296,15 @@ class Evictor:
         kept_lens = torch.empty_like(lens)
         for in_piece, layers in pieces:
             order = (last if len(pieces) == 1 else ordered(in_piece, layers))[0]   # one piece: ordered once
-            (src, dst, valid), kept_lens[in_piece, layers] = kept_slots(order, lens[in_piece, layers],
-                                                                        evicted[in_piece, layers], bs)
-            max_moves = min(src[0].numel(), max(most_moved[in_piece]))
-            moves = packed_moves(src, dst, valid, max_moves)
+            max_moves = min(order[0].numel(), max(most_moved[in_piece]))
+            *moves, kept_lens[in_piece, layers] = kernels.page_hole_moves(
+                order, lens[in_piece, layers], evicted[in_piece, layers], bs, max_moves, self.pair_counts)
             kernels.move_slots(self.cache.per_slot, tables[in_piece, layers].flatten(1), *moves)   # all, unmasked
-            self.moved_pairs += valid.sum()
-        self.evicted_pairs += (lens - kept_lens).sum()
         if method.windowed:   # its scores restart (KVC-full's keep accumulating); a column past a head's
             #                   pages zeroes its first page again (a boolean mask would wait for the device)
             held = torch.arange(width, device=self.device) < pages_held[..., None]
             self.cache.scores.index_fill_(0, torch.where(held, tables, tables[..., :1]).flatten().long(), 0.0)
-        kept_pages, kept_lens = pages_held - evicted, kept_lens.int()
+        kept_pages = pages_held - evicted
         blocks_kept = self._blocks_kept(evictions)
         if self.shard.size > 1:   # its ranks may keep more blocks than planned (_choose_pages)
             on_device.update(kernels.from_host_many(blocks_kept, self.device))

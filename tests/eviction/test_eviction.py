@@ -5,6 +5,7 @@ import torch
 import kernels
 from helpers import VOCAB
 from kernels.compact import move_slots_ref, move_slots_triton
+from kernels.page_holes import page_hole_moves_ref, page_hole_moves_triton
 from kernels.repaging import repage_ref, repage_triton
 from nanokv import LLM, SamplingParams
 from nanokv.config import EngineConfig
@@ -178,18 +179,22 @@ def test_the_moves_an_eviction_makes_are_the_triton_kernel_s_too(tiny_dir, monke
     assert len({len(shape) for shape in calls}) == 2 and len(calls) > 6   # heads' moves [S, L, H, k], sequences' [S, m]
 
 
-def test_the_pages_kvcompress_repages_are_the_triton_kernel_s_too(tiny_dir, monkeypatch):
-    """Every repage of kvcompress's evictions, made on the CPU backend (the reference), is made
-    again by the Triton kernel in the interpreter: the same tables, moves and widths, whether a
-    step evicts one sequence or several."""
+@pytest.mark.parametrize("op, reference, kernel", [("repage", repage_ref, repage_triton),
+                                                    ("page_hole_moves", page_hole_moves_ref, page_hole_moves_triton)])
+def test_kvcompress_s_page_surgery_is_the_triton_kernels_too(tiny_dir, monkeypatch, op, reference, kernel):
+    """Every repage and every set of hole-filling moves of kvcompress's evictions, made on the CPU
+    backend (the reference), is made again by the Triton kernels in the interpreter: the same
+    results and the same counts written in place, whether a step evicts one sequence or several."""
     calls = []
 
     def both(*args):
-        expected = repage_ref(*args)
+        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        expected = reference(*args)
         calls.append(len(args[0]))
-        assert all(torch.equal(a, b) for a, b in zip(repage_triton(*args), expected))
+        assert all(torch.equal(a, b) for a, b in zip(kernel(*copies), expected))
+        assert all(torch.equal(a, b) for a, b in zip(copies, args) if isinstance(a, torch.Tensor))
         return expected
-    monkeypatch.setitem(kernels._OPS, "cpu", kernels._OPS["cpu"]._replace(repage=both))
+    monkeypatch.setitem(kernels._OPS, "cpu", kernels._OPS["cpu"]._replace(**{op: both}))
     llm = LLM(str(tiny_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, block_size=8)
     prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (60, 75, 50, 60)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, kv_method="kvcompress",

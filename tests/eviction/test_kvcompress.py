@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import kernels
+from kernels.page_holes import page_hole_moves_ref, page_hole_moves_triton
 from kernels.repaging import repage_ref, repage_triton
-from nanokv.eviction.pages import choose_pages, eviction_order, kept_slots, packed_moves, page_costs
+from nanokv.eviction.pages import choose_pages, eviction_order, page_costs
 from helpers import KERNEL_DEVICE
 from oracle import BLOCK, differences, distinct_prompt as prompt, engine
 
@@ -50,57 +51,70 @@ def greedy_page_eviction(priority, lens, num_pages, bs, floor):
     return torch.tensor([[evicted[l, h] for h in range(H)] for l in range(L)]), kept
 
 
+def on_kernel_device(kernel):
+    """kernel run where Triton kernels run here (the interpreter on the CPU, else the GPU): its
+    results, and the tensors it writes in place, back on the CPU."""
+    def run(*args):
+        moved = [a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+        results = kernel(*moved)
+        for a, m in zip(args, moved):
+            if isinstance(a, torch.Tensor) and m is not a:
+                a.copy_(m)
+        return tuple(x.cpu() for x in results)
+    return run
+
+
+HOLE_MOVES = [pytest.param(page_hole_moves_ref, id="reference"),
+              pytest.param(on_kernel_device(page_hole_moves_triton), id="triton")]
+
+
+@pytest.mark.parametrize("page_hole_moves", HOLE_MOVES)
 @pytest.mark.parametrize("seed", range(6))
-def test_page_eviction_takes_the_cheapest_pages_across_heads(seed):
+def test_page_eviction_takes_the_cheapest_pages_across_heads(seed, page_hole_moves):
     g = torch.Generator().manual_seed(seed)
     L, H, bs, width = 3, 2, 4, 6
-    lens = torch.randint(bs + 1, width * bs + 1, (L, H), generator=g)
-    priority = torch.randint(0, 6, (L, H, width * bs), generator=g).double()   # many ties
-    priority[0, 0, :3] = math.inf                                              # protected pairs
+    n = width * bs
+    lens = torch.randint(bs + 1, n + 1, (L, H), generator=g).int()
+    priority = torch.randint(0, 6, (L, H, n), generator=g).double()   # many ties
+    priority[0, 0, :3] = math.inf                                     # protected pairs
     floor = 1 + seed % 2
     room = int((-(-lens // bs) - floor).clamp(min=0).sum())
     num_pages = int(torch.randint(1, room + 1, (), generator=g))
-    positions = torch.arange(width * bs).expand(L, H, -1)   # ties by position: by slot, as the greedy oracle breaks them
+    positions = torch.arange(n).expand(L, H, -1)   # ties by position: by slot, as the greedy oracle breaks them
     order, ordered = eviction_order(priority, positions, lens, bs)
     evicted = choose_pages(page_costs(ordered, lens, bs, floor), num_pages)
-    (src, dst, valid), new_lens = kept_slots(order, lens, evicted, bs)
     expected_evicted, expected_kept = greedy_page_eviction(priority, lens, num_pages, bs, floor)
     assert torch.equal(evicted, expected_evicted)
-    for (l, h), slots in expected_kept.items():
-        head = list(range(width * bs))   # each slot holds its own pair; the moves fill the holes
-        moves = list(zip(src[l, h].tolist(), dst[l, h].tolist()))   # all made, as the engine makes them
+    counts = torch.zeros(2, dtype=torch.int64)
+    *_, new_lens = page_hole_moves(order[None], lens[None], evicted[None], bs, L * H * n, counts)
+    num_moves = int(counts[1])
+    dropped = sum(int(lens[head]) - len(kept) for head, kept in expected_kept.items())
+    assert int(counts[0]) == int((lens - new_lens[0]).sum()) == dropped
+    # The heads' slots end to end (each holding its own pair), the moves made at once, in as many
+    # columns as there are moves and in two more (head (0, 0)'s last held slot onto itself).
+    for columns in (num_moves, num_moves + 2):
+        src, dst, new_lens = page_hole_moves(order[None], lens[None], evicted[None], bs, columns, counts)
+        assert src.shape == dst.shape == (1, columns)
+        heads = list(range(L * H * n))
         writes = {}
-        for a, b in moves:   # every value read before any is written
-            writes.setdefault(b, set()).add(head[a])
+        for a, b in zip(src[0].tolist(), dst[0].tolist()):   # every value read before any is written
+            writes.setdefault(b, set()).add(heads[a])
         assert all(len(values) == 1 for values in writes.values())   # no slot gets two different pairs
         for b, (value,) in writes.items():
-            head[b] = value
-        assert new_lens[l, h] == len(slots) and sorted(head[:len(slots)]) == slots
-        changed = [b for b, (value,) in writes.items() if value != b]
-        assert len(changed) == int(valid[l, h].sum()) <= lens[l, h] - len(slots)   # one write per pair evicted
-        assert new_lens[l, h] % bs == 0 or evicted[l, h] == 0   # a head that gave pages keeps whole ones
-    # Packed: the heads' slots end to end, the valid moves first in as many columns as there are
-    # (and in two more: head (0, 0)'s last move, a slot onto itself); made at once, they keep the same pairs.
-    n, num_moves = width * bs, int(valid.sum())
-    for columns in (num_moves, num_moves + 2):
-        packed = packed_moves(src[None], dst[None], valid[None], columns)
-        assert all(p.shape == (1, columns) for p in packed)
-        heads = list(range(L * H * n))
-        read = [heads[a] for a in packed[0][0].tolist()]
-        for b, value in zip(packed[1][0].tolist(), read):
             heads[b] = value
+        changed = [b for b, (value,) in writes.items() if value != b]
+        assert len(changed) == num_moves
         for (l, h), slots in expected_kept.items():
             first = (l * H + h) * n
+            assert new_lens[0, l, h] == len(slots)
             assert sorted(v - first for v in heads[first:first + len(slots)]) == slots
+            mine = [b for b in changed if first <= b < first + n]
+            assert all(first <= heads[b] < first + n for b in mine)   # within the head
+            assert len(mine) <= lens[l, h] - len(slots)                # one write per pair evicted
+            assert new_lens[0, l, h] % bs == 0 or evicted[l, h] == 0   # a head that gave pages keeps whole ones
 
 
-def repage_on_kernel_device(*args):
-    """repage_triton where Triton kernels run here (the interpreter on the CPU, else the GPU)."""
-    on_device = repage_triton(*(a.to(KERNEL_DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
-    return tuple(x.cpu() for x in on_device)
-
-
-REPAGES = [pytest.param(repage_ref, id="reference"), pytest.param(repage_on_kernel_device, id="triton")]
+REPAGES = [pytest.param(repage_ref, id="reference"), pytest.param(on_kernel_device(repage_triton), id="triton")]
 
 
 @pytest.mark.parametrize("repage", REPAGES)

@@ -18,6 +18,7 @@ from kernels.compact import move_slots_ref, move_slots_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.page_holes import BLOCK as HOLES_BLOCK, page_hole_moves_ref, page_hole_moves_triton
 from kernels.repaging import BLOCK as REPAGE_BLOCK, repage_ref, repage_triton
 from kernels.rope import QKNorms, apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
@@ -207,6 +208,28 @@ def test_the_repage_kernel_is_the_reference_over_more_pages_than_a_program_takes
     for max_moves in (L * H * W, leaving):
         args = tables, kept, staying, max_moves, 4 * S * L * H * W, share_cap, W + 2
         assert all(torch.equal(a, b) for a, b in zip(repage_triton(*args), repage_ref(*args)))
+
+
+@pytest.mark.parametrize("draw", range(3))
+def test_the_page_hole_kernels_are_the_reference_over_more_slots_than_a_program_takes_at_once(draw):
+    """KV-Compress's hole-filling moves (kernels/page_holes.py) for sequences of 4 layers x 8 heads
+    x 81 pages of 16 slots (more slots than a program takes at once), each head holding some of
+    them and giving up some of its pages, its slots in any order: the same moves, new lengths and
+    counts as the reference, with a bound on the moves loose or tight."""
+    S, L, H, bs, W = 2, 4, 8, 16, 81
+    n = W * bs
+    torch.manual_seed(draw)
+    with torch.device(KERNEL_DEVICE):
+        lens = torch.randint(0, n + 1, (S, L, H)).int()
+        evicted = (torch.rand(S, L, H) * (lens + bs - 1) // bs).long()   # at most the pages it holds
+        order = torch.rand(S, L, H, n).argsort(-1)
+        counts = [torch.zeros(2, dtype=torch.int64) for _ in range(3)]
+    page_hole_moves_ref(order, lens, evicted, bs, L * H * n, counts[0])
+    assert n > HOLES_BLOCK and counts[0][1] > 0
+    for max_moves in (L * H * n, int(counts[0][1])):
+        expected = page_hole_moves_ref(order, lens, evicted, bs, max_moves, counts[1])
+        got = page_hole_moves_triton(order, lens, evicted, bs, max_moves, counts[2])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)) and torch.equal(counts[2], counts[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
