@@ -126,12 +126,12 @@ def move_slots(buffers: tuple[torch.Tensor, ...], tables: torch.Tensor, src: tor
     _ops(tables).move_slots(buffers, tables, src, dst)
 
 
-def move_pages(buffers: tuple[torch.Tensor, ...], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Whole pages src [S, m] into pages dst [S, m] in every per-slot buffer: the slots of each
-    row's pages moved, its src and dst pages its table."""
-    bs, num_pages = buffers[0].shape[1], src.shape[-1]
-    slots = torch.arange(num_pages * bs, device=src.device)
-    _ops(src).move_slots(buffers, torch.cat([src, dst], dim=-1), slots[None], slots[None] + num_pages * bs)
+def move_pages(buffers: tuple[torch.Tensor, ...], moves: torch.Tensor) -> None:
+    """Whole pages moves[s, 0] [S, 2, m] into pages moves[s, 1] in every per-slot buffer: the slots
+    of each row's pages moved, its pages its table."""
+    bs, num_pages = buffers[0].shape[1], moves.shape[-1]
+    slots = torch.arange(2 * num_pages * bs, device=moves.device).view(2, 1, num_pages * bs)
+    _ops(moves).move_slots(buffers, moves.flatten(1), slots[0], slots[1])
 
 
 def page_hole_moves(order: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor, block_size: int, max_moves: int,
@@ -142,10 +142,10 @@ def page_hole_moves(order: torch.Tensor, lens: torch.Tensor, evicted: torch.Tens
 
 
 def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int,
-           share_cap: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+           share_cap: torch.Tensor, width: int, moved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """KV-Compress's pages moved out of the blocks given back, the unused ones shared out
     (kernels/repaging.py)."""
-    return _ops(tables).repage(tables, kept, staying, max_moves, num_pages, share_cap, width)
+    return _ops(tables).repage(tables, kept, staying, max_moves, num_pages, share_cap, width, moved)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -267,7 +267,8 @@ def _repage_case() -> None:
     """KV-Compress's pages repaged after an eviction (kernels/repaging.py)."""
     from kernels.repaging import repage_triton
     repage_triton(torch.zeros(2, 3, 4, 5, dtype=torch.int32), torch.zeros(2, 3, 4, dtype=torch.long),
-                  torch.zeros(2, 60, dtype=torch.int32), 4, 100, torch.zeros(2, dtype=torch.long), 6)
+                  torch.zeros(2, 60, dtype=torch.int32), 4, 100, torch.zeros(2, dtype=torch.long), 6,
+                  torch.zeros((), dtype=torch.long))
 
 
 def _page_holes_case() -> None:

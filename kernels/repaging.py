@@ -18,7 +18,8 @@ BLOCK = 1024   # the elements a program takes at a time (its pages, columns or m
 
 
 def repage_ref(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int,
-           share_cap: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+               share_cap: torch.Tensor, width: int, moved: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For S sequences evicted together, whose pages are all distinct: head (s, l, h) now uses
     only the first kept[s, l, h] pages of its table [S, L, H, W] (head (s, 0, 0) at least one:
     every head keeps floor_pages). Its pages in blocks sequence s gives back move to unused pages
@@ -31,9 +32,10 @@ def repage_ref(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, 
     would wait for the device).
 
     Returns the new tables [S, L, H, width] (columns past a head's pages: page 0), the moves
-    [S, max_moves] (page src's content goes to dst) and each sequence's widest head's pages
-    [S]. max_moves bounds a sequence's leaving pages; the moves past a sequence's own copy head
-    (s, 0, 0)'s first page onto itself (a page in use: moves write only unused ones).
+    [S, 2, max_moves] (page moves[s, 0, j]'s content goes to moves[s, 1, j]) and each sequence's
+    widest head's pages [S]; moved (an int64 scalar) += the pages that move. max_moves bounds a
+    sequence's leaving pages; the moves past a sequence's own copy head (s, 0, 0)'s first page
+    onto itself (a page in use: moves write only unused ones).
     """
     S, L, H, W = tables.shape
     device = tables.device
@@ -54,7 +56,8 @@ def repage_ref(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, 
     moves = max(max_moves, 1)
     at = torch.where(leaving, rank, moves)                           # the rest to a column dropped below
     idle = used[:, :1].expand(S, moves + 1)
-    src, dst = (idle.scatter(-1, at, pages)[:, :moves] for pages in (used, moved_to.long()))
+    page_moves = torch.stack([idle.scatter(-1, at, pages)[:, :moves] for pages in (used, moved_to.long())], dim=1)
+    moved += num_leaving.sum()
     tables = torch.where(leaving, moved_to, used).view(S, L, H, W).where(in_use, tables).to(tables.dtype)
     share = torch.minimum((unused.sum(-1) - num_leaving) // (L * H), share_cap)[:, None, None, None]
     column = torch.arange(width, device=device)
@@ -64,7 +67,7 @@ def repage_ref(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, 
     spare = (num_leaving[:, None, None, None] + extra.clamp(min=0) * L * H + head).clamp(max=staying.shape[-1] - 1)
     new = unused_first.gather(-1, spare.flatten(1)).view(S, L, H, width)
     widths = kept.flatten(1).amax(1) + share[:, 0, 0, 0]
-    return torch.where(extra < 0, old, torch.where(extra < share, new, 0)), src, dst, widths
+    return torch.where(extra < 0, old, torch.where(extra < share, new, 0)), page_moves, widths
 
 
 @triton.jit
@@ -82,7 +85,7 @@ def _columns(tables, kept, column, N, W):
 
 
 @triton.jit
-def _repage_kernel(tables, kept, staying, share_cap, marks, unused_first, out, src, dst, widths,
+def _repage_kernel(tables, kept, staying, share_cap, marks, unused_first, out, moves, widths, moved,
                    LH, W, P, num_pages, num_moves, width, BLOCK: tl.constexpr):
     """Sequence s's repage_ref; unused_first [S, P]: scratch, where only the unused pages are laid
     out (the reference's rest is never read); marks [2, num_pages]: zeros (the pages of blocks
@@ -91,7 +94,8 @@ def _repage_kernel(tables, kept, staying, share_cap, marks, unused_first, out, s
     at = tl.arange(0, BLOCK)
     tables, kept, staying = tables + s * LH * W, kept + s * LH, staying + s * P
     unused_first, out = unused_first + s * P, out + s * LH * width
-    src, dst = src + s * num_moves, dst + s * num_moves
+    src = moves + s * 2 * num_moves
+    dst = src + num_moves
     N = LH * W
     for i in range(0, N, BLOCK):   # phase 1: mark
         page, in_use = _columns(tables, kept, i + at, N, W)
@@ -119,6 +123,7 @@ def _repage_kernel(tables, kept, staying, share_cap, marks, unused_first, out, s
         tl.store(out + (column // W) * width + column % W, tl.where(leaving, moved_to, page),
                  mask=in_use & (column % W < width))
         num_leaving += tl.sum(leaving.to(tl.int32), axis=0)
+    tl.atomic_add(moved, num_leaving.to(tl.int64))
     share = tl.minimum((num_unused - num_leaving) // LH, tl.load(share_cap + s))
     first = tl.load(tables)   # the rest of the moves: head (s, 0, 0)'s first page onto itself
     idle = tl.where(tl.load(kept) > 0, first.to(tl.int64), num_pages)
@@ -140,18 +145,19 @@ def _repage_kernel(tables, kept, staying, share_cap, marks, unused_first, out, s
 
 
 def repage_triton(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int,
-                  num_pages: int, share_cap: torch.Tensor, width: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  num_pages: int, share_cap: torch.Tensor, width: int, moved: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """repage_ref in one launch (and one zeroed array of marks)."""
     S, L, H, W = tables.shape
     P, device = staying.shape[-1], tables.device
     moves = max(max_moves, 1)
     out = torch.empty(S, L, H, width, dtype=tables.dtype, device=device)
-    src, dst = (torch.empty(S, moves, dtype=torch.int64, device=device) for _ in range(2))
+    page_moves = torch.empty(S, 2, moves, dtype=torch.int64, device=device)
     widths = torch.empty(S, dtype=torch.int64, device=device)
     unused_first = torch.empty(S, P, dtype=staying.dtype, device=device)
     marks = torch.zeros(2 * num_pages, dtype=torch.int8, device=device)
     _repage_kernel[(S,)](tables.contiguous(), kept.contiguous(), staying.contiguous(), share_cap, marks,
-                         unused_first, out, src, dst, widths, L * H, W, P, num_pages, moves, width, BLOCK=BLOCK,
+                         unused_first, out, page_moves, widths, moved, L * H, W, P, num_pages, moves, width,
+                         BLOCK=BLOCK,
                          num_warps=8)   # at 4 warps its blocks of 1024 spill on sm_80 (kernels/compile_check.py)
-    return out, src, dst, widths
+    return out, page_moves, widths

@@ -114,20 +114,22 @@ class Evictor:
         self.press_window = press_window   # what a press is handed besides the pairs
         self.head_tables = head_tables   # an uneven method's own pages, after its first eviction
         self.shard = shard   # a split model's replicated KV heads sum their scores over their replicas
-        # Since the engine started, over this rank's heads: the pairs evictions dropped and those
-        # they wrote (moved into holes, whole pages repaged), counted on the device: no sync.
-        self.pair_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
-        self.evicted_pairs, self.moved_pairs = self.pair_counts   # views: each count one launch, in place
+        # Since the engine started, over this rank's heads: the pairs evictions dropped, those they
+        # moved into holes and the pages they repaged whole, counted on the device: no sync.
+        self.counts = torch.zeros(3, dtype=torch.int64, device=self.device)
+        self.evicted_pairs, self.moved_pairs, self.moved_pages = self.counts   # views: each count in place
         self.num_pieces = 0   # and the pieces they were taken in, each the same launches
         self._counted = [0, 0]                  # the counts as the host last had them,
         self._counting: Landing | None = None   # and a copy of later ones on its way
 
     def pair_totals(self) -> list[int]:
-        """[evicted, moved]: the pair counts as far as the host has them. Never waits for the
-        device: exact once the steps that evicted are done (their tokens read, say)."""
+        """[evicted, moved]: the pair counts as far as the host has them (a page repaged: its
+        slots moved). Never waits for the device: exact once the steps that evicted are done
+        (their tokens read, say)."""
         landed = self._counting.values() if self._counting is not None else None
         if landed is not None:
-            self._counted, self._counting = landed, None
+            evicted, moved, pages = landed
+            self._counted, self._counting = [evicted, moved + pages * self.block_size], None
         return self._counted
 
     def evict(self, evictions: list[Eviction]) -> None:
@@ -165,7 +167,7 @@ class Evictor:
                 if seqs[0].method.windowed:   # its scores restart: the next window counts from zero
                     self.cache.scores.index_fill_(0, piece.flatten().long(), 0.0)
         self.pair_totals()   # an earlier copy taken if it has landed; this one follows it
-        self._counting = Landing(self.pair_counts)
+        self._counting = Landing(self.counts)
 
     def _pieces(self, num_seqs: int, method: KVMethod, num_slots: int, num_evicted: int = 0,
                 num_moved: int = 0) -> list[tuple[slice, slice]]:
@@ -248,12 +250,15 @@ class Evictor:
 
     def _pages_host(self, evictions: list[Eviction]) -> dict[str, np.ndarray]:
         """What _evict_pages reads from the host: the sequences' own rows (_own_host), their
-        blocks, positions (_host) and pairs kept per head, and what they keep of their blocks
+        blocks, positions (_host) and the pages they keep over every KV head of the model (the
+        pairs kept per head, rounded down to pages), and what they keep of their blocks
         (_blocks_kept: planned, a split model's ranks may keep more)."""
         seqs = [e.seq for e in evictions]
         host = self._own_host(seqs, [e.num_slots for e in evictions])
+        heads = self.cache.num_layers * self.cache.num_kv_heads * self.shard.size // self.shard.num_replicas
         host.update(self._host(seqs, max(len(seq.block_table) for seq in seqs) * self.block_size),
-                    kept=np.array([e.num_slots - e.num_evicted for e in evictions], dtype=np.int64))
+                    target=np.array([(e.num_slots - e.num_evicted) * heads // self.block_size for e in evictions],
+                                    dtype=np.int64))
         return host | self._blocks_kept(evictions)
 
     def _blocks_kept(self, evictions: list[Eviction]) -> dict[str, np.ndarray]:
@@ -282,23 +287,25 @@ class Evictor:
         num_heads = H * self.shard.size // self.shard.num_replicas
         most_moved = [(len(e.seq.block_table) * bs - k) * L * num_heads + bs for e, k in zip(evictions, num_kept)]
         pieces = self._pieces(S, method, n, num_moved=min(L * H * n, max(most_moved)))
+        pages_held = held_pages(lens, bs)
 
         def ordered(in_piece: slice, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
             held = self._held(seqs[in_piece], tables[in_piece, layers], on_device["current"][in_piece], n,
                               lens[in_piece, layers], layers=layers, num_kept=num_kept[in_piece])
-            return eviction_order(method.keep_priority(held), held.positions, lens[in_piece, layers], bs)
-        pages_held = held_pages(lens, bs)
+            return eviction_order(method.keep_priority(held), held.positions, lens[in_piece, layers],
+                                  pages_held[in_piece, layers], bs)
+
         costs = torch.empty(S, L, H, width, device=self.device)
         for in_piece, layers in pieces:
             last = ordered(in_piece, layers)
-            costs[in_piece, layers] = page_costs(last[1], lens[in_piece, layers], bs, method.floor_pages(bs))
-        evicted = self._choose_pages(costs, lens, on_device["kept"], evictions)
+            costs[in_piece, layers] = page_costs(last[1], pages_held[in_piece, layers], bs, method.floor_pages(bs))
+        evicted = self._choose_pages(costs, pages_held, on_device["target"], evictions)
         kept_lens = torch.empty_like(lens)
         for in_piece, layers in pieces:
             order = (last if len(pieces) == 1 else ordered(in_piece, layers))[0]   # one piece: ordered once
             max_moves = min(order[0].numel(), max(most_moved[in_piece]))
             *moves, kept_lens[in_piece, layers] = kernels.page_hole_moves(
-                order, lens[in_piece, layers], evicted[in_piece, layers], bs, max_moves, self.pair_counts)
+                order, lens[in_piece, layers], evicted[in_piece, layers], bs, max_moves, self.counts[:2])
             kernels.move_slots(self.cache.per_slot, tables[in_piece, layers].flatten(1), *moves)   # all, unmasked
         if method.windowed:   # its scores restart (KVC-full's keep accumulating); a column past a head's
             #                   pages zeroes its first page again (a boolean mask would wait for the device)
@@ -318,33 +325,31 @@ class Evictor:
         for start, stop in dict.fromkeys((in_piece.start, in_piece.stop) for in_piece, _ in pieces):
             part = slice(start, stop)   # whole sequences, as many as a piece holds
             width = max(seq.own_pages.width + pages for seq, pages in zip(seqs[part], room[part]))
-            part_tables, src, dst, widths = kernels.repage(tables[part], kept_pages[part], staying[part],
-                                                           max(given_back[part]), len(self.cache.positions),
-                                                           on_device["room"][part], width)
-            kernels.move_pages(self.cache.per_slot, src, dst)
-            self.moved_pairs += (src != dst).sum() * bs
+            part_tables, moves, widths = kernels.repage(tables[part], kept_pages[part], staying[part],
+                                                        max(given_back[part]), len(self.cache.positions),
+                                                        on_device["room"][part], width, self.moved_pages)
+            kernels.move_pages(self.cache.per_slot, moves)
             for seq in seqs[part]:
                 seq.own_pages.slots = seq.num_kv_slots
             self.head_tables.write(on_device["own_rows"][0, part], part_tables, kept_lens[part],
                                    [seq.own_pages for seq in seqs[part]], widths)
 
-    def _choose_pages(self, costs: torch.Tensor, lens: torch.Tensor, kept_slots: torch.Tensor,
+    def _choose_pages(self, costs: torch.Tensor, pages: torch.Tensor, target: torch.Tensor,
                       evictions: list[Eviction]) -> torch.Tensor:
         """The pages each head gives up [S, L, H]: each sequence's cheapest by costs [S, L, H, W]
-        until its heads hold kept_slots [S] pairs each on average, chosen over every KV head of the
-        model (a split model's ranks' costs and lens gathered: the same choice on every rank).
+        until its heads, holding pages [S, L, H], hold target [S] pages in all (_pages_host), chosen
+        over every KV head of the model (a split model's ranks' costs and pages gathered: the same
+        choice on every rank).
         A split model's rank whose heads keep more pages than their share of the blocks kept
         needs more of them: each eviction's num_blocks_kept grows to what its fullest rank needs,
         with the room for new pairs per head that one rank would have."""
-        bs, shard = self.block_size, self.shard
+        shard = self.shard
         width = shard.max(costs.shape[-1], self.device)   # the ranks' page tables may be of other widths
         mine = torch.cat([torch.nn.functional.pad(costs, (0, width - costs.shape[-1]), value=float("inf")),
-                          lens[..., None].to(costs.dtype)], dim=-1)
-        every = shard.all_heads(mine.double() if shard.size > 1 else mine)   # lens stay exact in float64
-        all_lens = every[..., -1].long()
-        S, L, num_heads = all_lens.shape
-        held = held_pages(all_lens, bs)
-        target = kept_slots * L * num_heads // bs
+                          pages[..., None].to(costs.dtype)], dim=-1)
+        every = shard.all_heads(mine.double() if shard.size > 1 else mine)   # counts stay exact in float64
+        held = every[..., -1].long()
+        S, L, num_heads = held.shape
         evicted = choose_pages(every[..., :-1], (held.flatten(1).sum(1) - target).clamp(min=0))
         if shard.size > 1:
             kept, local = held - evicted, costs.shape[2]

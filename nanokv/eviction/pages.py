@@ -26,25 +26,25 @@ def held_pages(lens: torch.Tensor, block_size: int) -> torch.Tensor:
     return (lens + (block_size - 1)) // block_size
 
 
-def eviction_order(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
+def eviction_order(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, pages: torch.Tensor,
                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each head's slots in eviction order (empty slots first, other heads' never; ties by
-    position) and their priorities in that order."""
+    position) and their priorities in that order, when it holds lens pairs in pages pages."""
     slot = torch.arange(priority.shape[-1], device=priority.device)
     empty = slot >= lens[..., None]
-    beyond = slot >= (held_pages(lens, block_size) * block_size)[..., None]   # in pages it does not hold
+    beyond = slot >= (pages * block_size)[..., None]   # in pages it does not hold
     priority = priority.masked_fill(empty, float("-inf")).masked_fill(beyond, float("inf"))
     by_position = positions.masked_fill(empty, -1).argsort(dim=-1, stable=True)
     order = by_position.gather(-1, priority.gather(-1, by_position).argsort(dim=-1, stable=True))
     return order, priority.gather(-1, order)
 
 
-def page_costs(ordered: torch.Tensor, lens: torch.Tensor, block_size: int, floor_pages: int) -> torch.Tensor:
+def page_costs(ordered: torch.Tensor, pages: torch.Tensor, block_size: int, floor_pages: int) -> torch.Tensor:
     """[..., L, H, n / bs]: what evicting each head's e-th page costs (+inf below its floor),
-    from its priorities in eviction order."""
+    from its priorities in eviction order, when it holds pages pages."""
     costs = ordered[..., block_size - 1::block_size]
     count = torch.arange(1, costs.shape[-1] + 1, device=ordered.device)
-    return costs.masked_fill(count > (held_pages(lens, block_size) - floor_pages)[..., None], float("inf"))
+    return costs.masked_fill(count > (pages - floor_pages)[..., None], float("inf"))
 
 
 def choose_pages(costs: torch.Tensor, num_pages: torch.Tensor | int) -> torch.Tensor:

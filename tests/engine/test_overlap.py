@@ -340,6 +340,13 @@ class _NotYet:
         pass
 
 
+def device_pair_counts(llm: LLM) -> list[int]:
+    """The evictor's counters as the device holds them now: [pairs evicted, pairs moved] (a page
+    repaged: its slots)."""
+    evicted, moved, pages = llm.runner.evictor.counts.tolist()
+    return [evicted, moved + pages * llm.runner.evictor.block_size]
+
+
 @pytest.mark.parametrize("method", ["batchmax", "kvcompress"])
 def test_engine_stats_take_the_eviction_counts_from_a_copy_on_its_way(tiny_dir, monkeypatch, method):
     """stats() (which the server's engine thread, chat.py and bench.py's continuous runs take at
@@ -351,7 +358,7 @@ def test_engine_stats_take_the_eviction_counts_from_a_copy_on_its_way(tiny_dir, 
     llm = engine(tiny_dir, True)
     params = SamplingParams(temperature=0, max_tokens=40, kv_method=method, kv_budget=32, evict_every=16)
     llm.generate(preemption_prompts(), params)
-    counts = llm.runner.evictor.pair_counts.tolist()
+    counts = device_pair_counts(llm)
     assert counts[0] > 0 and llm.stats().pairs_evicted == llm.stats().pairs_moved == 0   # none landed yet
     landed.append(True)
     stats = llm.stats()
@@ -381,4 +388,4 @@ def test_a_run_that_takes_stats_at_every_step_waits_only_for_its_tokens(tiny_dir
             llm.step()
             llm.stats()
     assert waits == []
-    assert [llm.stats().pairs_evicted, llm.stats().pairs_moved] == llm.runner.evictor.pair_counts.tolist()
+    assert [llm.stats().pairs_evicted, llm.stats().pairs_moved] == device_pair_counts(llm)

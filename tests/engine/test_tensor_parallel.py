@@ -202,18 +202,16 @@ class BesideACheaperRank(Shard):
     with as many pairs, and every page of theirs above the floor is cheaper than any of ours."""
     rank: int = 0
     size: int = 2
-    block_size: int = 16
     floor_pages: int = 1
 
     def max(self, n: int, device) -> int:
         return n
 
-    def all_heads(self, x: torch.Tensor) -> torch.Tensor:   # [S, L, H, W + 1]: page costs, then lens
-        lens = x[..., -1:]
+    def all_heads(self, x: torch.Tensor) -> torch.Tensor:   # [S, L, H, W + 1]: page costs, then pages held
+        held = x[..., -1:]
         count = torch.arange(1, x.shape[-1], dtype=x.dtype)
-        held = torch.ceil(lens / self.block_size)
         theirs = torch.where(count <= held - self.floor_pages, float("-inf"), float("inf"))
-        return torch.cat([x, torch.cat([theirs, lens], dim=-1)], dim=2)
+        return torch.cat([x, torch.cat([theirs, held], dim=-1)], dim=2)
 
 
 def test_a_rank_whose_heads_keep_every_page_keeps_their_room_for_new_pairs(tiny_dir):

@@ -20,7 +20,7 @@ import torch
 import kernels
 from kernels.page_holes import page_hole_moves_ref, page_hole_moves_triton
 from kernels.repaging import repage_ref, repage_triton
-from nanokv.eviction.pages import choose_pages, eviction_order, page_costs
+from nanokv.eviction.pages import choose_pages, eviction_order, held_pages, page_costs
 from helpers import KERNEL_DEVICE
 from oracle import BLOCK, differences, distinct_prompt as prompt, engine
 
@@ -81,8 +81,9 @@ def test_page_eviction_takes_the_cheapest_pages_across_heads(seed, page_hole_mov
     room = int((-(-lens // bs) - floor).clamp(min=0).sum())
     num_pages = int(torch.randint(1, room + 1, (), generator=g))
     positions = torch.arange(n).expand(L, H, -1)   # ties by position: by slot, as the greedy oracle breaks them
-    order, ordered = eviction_order(priority, positions, lens, bs)
-    evicted = choose_pages(page_costs(ordered, lens, bs, floor), num_pages)
+    pages = held_pages(lens, bs)
+    order, ordered = eviction_order(priority, positions, lens, pages, bs)
+    evicted = choose_pages(page_costs(ordered, pages, bs, floor), num_pages)
     expected_evicted, expected_kept = greedy_page_eviction(priority, lens, num_pages, bs, floor)
     assert torch.equal(evicted, expected_evicted)
     counts = torch.zeros(2, dtype=torch.int64)
@@ -133,8 +134,12 @@ def test_pages_leave_the_blocks_given_back_and_the_rest_are_shared_out(tight, re
     leaving = [sum(p not in staying[s] for l in range(L) for h in range(H) for p in tables[s, l, h, :kept[s, l, h]])
                for s in range(2)]
     cap = torch.tensor([5, 1])
-    new, src, dst, widths = repage(tables, kept, staying, max(leaving) if tight else L * H * W, 80, cap, W + 2)
+    moved_pages = torch.zeros((), dtype=torch.int64)
+    new, moves, widths = repage(tables, kept, staying, max(leaving) if tight else L * H * W, 80, cap, W + 2,
+                                moved_pages)
+    src, dst = moves[:, 0], moves[:, 1]
     assert src.shape == dst.shape == (2, max(leaving) if tight else L * H * W) and new.shape[-1] == W + 2
+    assert int(moved_pages) == sum(leaving)
     assert widths.tolist() == [int(kept[0].max()) + 1, int(kept[1].max()) + 1]
     pairs = list(zip(src.flatten().tolist(), dst.flatten().tolist()))
     moved = {a: b for a, b in pairs if a != b}
@@ -163,10 +168,11 @@ def test_a_sequence_keeping_fewer_blocks_than_another_is_never_handed_their_padd
     tables = torch.arange(8, dtype=torch.int32).view(2, 1, 2, 2)   # each head uses both its pages
     kept = torch.full((2, 1, 2), 2)
     staying = torch.tensor([[0, 1, 2, 3, 8, 9], [4, 5, 6, 7, -1, -1]], dtype=torch.int32)
-    new, src, dst, widths = repage(tables, kept, staying, 1, 10, torch.tensor([4, 4]), 3)
+    moved_pages = torch.zeros((), dtype=torch.int64)
+    new, moves, widths = repage(tables, kept, staying, 1, 10, torch.tensor([4, 4]), 3, moved_pages)
     assert new[0, 0].tolist() == [[0, 1, 8], [2, 3, 9]]   # one spare page a head
     assert new[1, 0].tolist() == [[4, 5, 0], [6, 7, 0]] and widths.tolist() == [3, 2]   # none: no share
-    assert (src == dst).all()   # nothing leaves
+    assert (moves[:, 0] == moves[:, 1]).all() and int(moved_pages) == 0   # nothing leaves
 
 
 def test_a_width_that_lands_late_keeps_what_evictions_added_since(monkeypatch):
@@ -359,9 +365,9 @@ def test_kvcompress_sequences_evicting_together_keep_what_each_keeps_alone(model
     repage, bounds = kernels.repage, []
 
     def bounded(*args):
-        new_tables, src, dst, widths = repage(*args)
-        bounds.append((args[-1], int(widths.max())))   # the host's bound, the widest head's pages
-        return new_tables, src, dst, widths
+        new_tables, moves, widths = repage(*args)
+        bounds.append((args[-2], int(widths.max())))   # the host's bound, the widest head's pages
+        return new_tables, moves, widths
     monkeypatch.setattr(kernels, "repage", bounded)
     path, _, oracle = model
     llm = engine(path, block_size=4)

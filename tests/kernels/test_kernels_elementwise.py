@@ -207,7 +207,10 @@ def test_the_repage_kernel_is_the_reference_over_more_pages_than_a_program_takes
     assert tables[0].numel() > REPAGE_BLOCK and staying.shape[-1] > REPAGE_BLOCK and leaving > 0
     for max_moves in (L * H * W, leaving):
         args = tables, kept, staying, max_moves, 4 * S * L * H * W, share_cap, W + 2
-        assert all(torch.equal(a, b) for a, b in zip(repage_triton(*args), repage_ref(*args)))
+        with torch.device(KERNEL_DEVICE):
+            moved = torch.zeros(2, dtype=torch.int64)
+        got, expected = repage_triton(*args, moved[0]), repage_ref(*args, moved[1])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)) and moved[0] == moved[1] > 0
 
 
 @pytest.mark.parametrize("draw", range(3))
@@ -289,13 +292,13 @@ def test_moving_slots_moves_every_buffer_as_the_reference(kv_dtype, head_dim):
 
 @pytest.mark.parametrize("kv_dtype, head_dim", MOVE_CASES[::3])
 def test_moving_pages_moves_their_every_slot(kv_dtype, head_dim):
-    """kernels.move_pages on each backend: page src[s, i]'s slots into page dst[s, i], in every
-    buffer, a page moved onto itself left as it is."""
+    """kernels.move_pages on each backend: page moves[s, 0, i]'s slots into page moves[s, 1, i],
+    in every buffer, a page moved onto itself left as it is."""
     with torch.device(KERNEL_DEVICE):
         buffers = per_slot_buffers(kv_dtype, head_dim)
-        pages = torch.randperm(40)[:12].view(2, 6)
-        src, dst = pages[:, :3].clone(), pages[:, 3:].clone()
-        dst[1, 2] = src[1, 2]   # onto itself
+        moves = torch.randperm(40)[:12].view(2, 2, 3)
+        moves[1, 1, 2] = moves[1, 0, 2]   # onto itself
+        src, dst = moves[:, 0], moves[:, 1]
         expected = [b.clone() for b in buffers]
         for buffer in expected:
             buffer[dst] = buffer[src]
@@ -304,7 +307,7 @@ def test_moving_pages_moves_their_every_slot(kv_dtype, head_dim):
             moved = [b.clone() for b in buffers]
             try:
                 kernels.set_backend(backend)
-                kernels.move_pages(moved, src, dst)
+                kernels.move_pages(moved, moves)
             finally:
                 kernels.set_backend(before)
             assert all(torch.equal(a, b) for a, b in zip(as_bytes(moved), as_bytes(expected))), backend
