@@ -177,31 +177,38 @@ class ModelRunner:
             rope_rows=self._rope_rows(positions, seqs, row_seq),
             kept_inputs=self.press_window.writes(seqs, starts, num_new, cu_seqlens) if cache is None else None)
         if cache is None:
-            if self.advances and len(seqs) == len(row_seq) == len(ends) and not step.needs & UNEVEN:
-                step.decode = positions, host["lens"], rows
+            if self.advances and len(seqs) == len(row_seq) == len(ends) and (own_width is None or rows is None):
+                step.decode = positions, host["lens"], rows   # rows None: every head has pages of its own
             self.last_step = step
         return step
 
     def _advanced(self, batch: ScheduledBatch) -> StepInputs | None:
         """The step after a decode (StepInputs.decode) of the same sequences, fed the tokens it
         sampled: its inputs one position further, each new pair's block found in the block
-        tables' rows. Only the sequences planned in full are read (a block added, pairs evicted:
-        their lengths; the pages are made again), and for windowed scores each one's first query
-        that counts. None when the step is not such a one."""
+        tables' rows, or, where every head has pages of its own (an uneven method once evicted),
+        its pages as they were. Only the sequences planned in full are read (a block added, pairs
+        evicted: their lengths; the pages are made again), and for windowed scores each one's
+        first query that counts. None when the step is not such a one, or some sequence of an
+        uneven method is planned in full."""
         last, sampled = self.last_step, self.last_sampled
         if last is None or last.decode is None or sampled is None or sampled.seqs is not last.sampled_seqs \
-                or batch.seqs != sampled.seqs or max(batch.num_new_tokens) > 1:
+                or batch.seqs != sampled.seqs or max(batch.num_new_tokens) > 1 \
+                or (batch.planned_in_full and last.needs & UNEVEN):   # its heads' own pages may be new
             return None
         (positions, lens, rows), seqs, meta = last.decode, batch.seqs, last.meta
         lens = lens + 1
         if batch.planned_in_full:
             lens[batch.planned_in_full] = [seqs[i].num_kv_slots + 1 for i in batch.planned_in_full]
-        max_context_len, ids = int(lens.max()), seqs[0].block_table.tables.ids
-        width = -(-max_context_len // self.block_size)
-        host = dict(positions=positions + 1, first_slots=self.kv_cache.first_slots(ids, rows, lens - 1))
-        pages_again = bool(batch.planned_in_full) or width != meta.page_tables.shape[-1]
-        if pages_again:
-            host.update(lens=lens, blocks=ids[rows, :width])
+        host = dict(positions=positions + 1)
+        if rows is None:   # every head has pages of its own, with room for its pairs until its next eviction
+            max_context_len, pages_again = max(int(lens.max()), meta.page_tables.shape[-1] * self.block_size), False
+        else:
+            max_context_len, ids = int(lens.max()), seqs[0].block_table.tables.ids
+            width = -(-max_context_len // self.block_size)
+            host["first_slots"] = self.kv_cache.first_slots(ids, rows, lens - 1)
+            pages_again = bool(batch.planned_in_full) or width != meta.page_tables.shape[-1]
+            if pages_again:
+                host.update(lens=lens, blocks=ids[rows, :width])
         if last.needs & SCORES:
             host["score_from"] = np.array([seq.method.score_from(seq) for seq in seqs], dtype=np.int32)
         on_device = kernels.from_host_many(host, self.device)

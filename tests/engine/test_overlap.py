@@ -234,11 +234,14 @@ def test_a_decode_advanced_from_the_last_is_the_step_prepared_in_full(tiny_dir, 
     inputs that preparing its batch in full gives. Sequences of different lengths reach a new
     block at different steps (planned in full: their lengths and the pages read again), new ones
     are admitted as others end, and evicting methods count scores (h2o every query; snapkv
-    evicting as it decodes, a window before each eviction: score_from changes)."""
+    evicting as it decodes, a window before each eviction: score_from changes); kvcompress's
+    heads, once evicted, read pages of their own."""
     llm = LLM(str(tiny_dir), dtype="float32", max_model_len=200, max_num_seqs=6, num_threads=1)
     runner, advance, compared = llm.runner, llm.runner._advanced, []
 
     def checked(batch):
+        last = runner.last_step
+        own = last is not None and last.decode is not None and last.decode[2] is None   # every head's pages its own
         step = advance(batch)
         if step is not None:
             runner.last_step = None   # prepare in full (it calls this first: None)
@@ -253,7 +256,7 @@ def test_a_decode_advanced_from_the_last_is_the_step_prepared_in_full(tiny_dir, 
             assert torch.equal(step.input_ids, full.input_ids) and torch.equal(step.positions, full.positions)
             assert (meta.max_context_len, meta.num_decodes) == (full_meta.max_context_len, full_meta.num_decodes)
             compared.append(({seq.params.kv_method for seq in batch.seqs}, len(batch.planned_in_full),
-                             bool(batch.evictions)))
+                             bool(batch.evictions), own))
         return step
     monkeypatch.setattr(runner, "_advanced", checked)
     rng = np.random.default_rng(5)
@@ -264,7 +267,15 @@ def test_a_decode_advanced_from_the_last_is_the_step_prepared_in_full(tiny_dir, 
               for i in range(10)]
     llm.generate([rng.integers(0, VOCAB, int(rng.integers(5, 60))).tolist() for _ in range(10)], params)
     assert len(compared) > 50 and {"h2o", "snapkv", None} <= set().union(*(methods for methods, *_ in compared))
-    assert any(0 < n < 6 for _, n, _ in compared) and any(evicting for *_, evicting in compared)
+    assert any(0 < n < 6 for _, n, *_ in compared) and any(evicting for _, _, evicting, _ in compared)
+    # kvcompress: every head with pages of its own once it has evicted (the step's pages kept until
+    # the next eviction), alone and beside sequences that read their blocks' pages (full).
+    compared.clear()
+    for mix in ([dict(kv_method="kvcompress", **evicts)], [dict(kv_method="kvcompress", **evicts), {}]):
+        params = [SamplingParams(temperature=0, max_tokens=int(rng.integers(40, 70)), ignore_eos=True,
+                                 **mix[i % len(mix)]) for i in range(6)]
+        llm.generate([rng.integers(0, VOCAB, int(rng.integers(50, 60))).tolist() for _ in range(6)], params)
+    assert sum(own for *_, own in compared) > 20
 
 
 def test_arrays_copied_together_come_back_as_they_were_each_at_a_16_byte_boundary():
