@@ -27,11 +27,11 @@ from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_k
 from kernels.attention.prefill import PREFILL_BLOCK_M, paged_attention_triton, prefill_tiles
 from kernels.attention.reference import paged_attention_ref
 from kernels.compact import move_slots_ref, move_slots_triton
+from kernels.hole_filling import hole_moves_ref, hole_moves_triton
 from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.linear_cpu import PackedLinear, can_prepack, prepack_linears
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from kernels.page_holes import page_hole_moves_ref, page_hole_moves_triton
 from kernels.repaging import repage_ref, repage_triton
 from kernels.rope import QKNorms, apply_rope_ref, apply_rope_triton, long_rope_rows, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
@@ -48,17 +48,17 @@ class Ops(NamedTuple):
     add_rms_norm: Callable
     apply_rope: Callable
     move_slots: Callable
-    page_hole_moves: Callable
+    hole_moves: Callable
     repage: Callable
 
 
 _OPS = {
     "torch": Ops(silu_and_mul_ref, store_kv_ref, rms_norm_ref, add_rms_norm_ref, apply_rope_ref, move_slots_ref,
-                 page_hole_moves_ref, repage_ref),
+                 hole_moves_ref, repage_ref),
     "cpu": Ops(silu_and_mul_ref, store_kv_cpu, rms_norm_ref, add_rms_norm_ref, apply_rope_cpu, move_slots_ref,
-               page_hole_moves_ref, repage_ref),
+               hole_moves_ref, repage_ref),
     "triton": Ops(silu_and_mul_triton, store_kv_triton, rms_norm_triton, add_rms_norm_triton, apply_rope_triton,
-                  move_slots_triton, page_hole_moves_triton, repage_triton),
+                  move_slots_triton, hole_moves_triton, repage_triton),
 }
 _forced: str | None = None
 
@@ -134,11 +134,11 @@ def move_pages(buffers: tuple[torch.Tensor, ...], moves: torch.Tensor) -> None:
     _ops(moves).move_slots(buffers, moves.flatten(1), slots[0], slots[1])
 
 
-def page_hole_moves(order: torch.Tensor, lens: torch.Tensor, evicted: torch.Tensor, block_size: int, max_moves: int,
-                    counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KV-Compress's survivors that fill the holes its heads' evicted pages leave, packed per
-    sequence, and the heads' new lengths (kernels/page_holes.py)."""
-    return _ops(order).page_hole_moves(order, lens, evicted, block_size, max_moves, counts)
+def hole_moves(order: torch.Tensor, lens: torch.Tensor, num_leaving: torch.Tensor, num_slots: int, max_moves: int,
+               counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The survivors that fill the holes evicted pairs leave, packed per sequence, and the heads'
+    new lengths (kernels/hole_filling.py)."""
+    return _ops(order).hole_moves(order, lens, num_leaving, num_slots, max_moves, counts)
 
 
 def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int,
@@ -370,7 +370,7 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
 __all__ = ["BACKENDS", "DecodeWorkspace", "PackedLinear", "QKNorms", "QUANT_MAX", "StepPlan", "add_rms_norm",
            "apply_rope", "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits",
            "decode_partials", "decode_wave", "decode_workspace_for", "dequantize", "forced_backend", "from_host",
-           "from_host_many", "logits_scratch", "long_rope_rows", "move_pages", "move_slots", "pack_arrays",
-           "packs_weights", "page_hole_moves", "paged_attention", "plan_step", "prefill_num_splits",
+           "from_host_many", "hole_moves", "logits_scratch", "long_rope_rows", "move_pages", "move_slots",
+           "pack_arrays", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits",
            "prefill_split_bytes", "prefill_wave", "prepack_linears", "repage", "rms_norm", "rope_cos_sin_cache",
            "scratch_bytes_per_slot", "set_backend", "silu_and_mul", "split_count", "store_kv", "to_host"]

@@ -271,11 +271,11 @@ def _repage_case() -> None:
                   torch.zeros((), dtype=torch.long))
 
 
-def _page_holes_case() -> None:
-    """KV-Compress's hole-filling moves after an eviction (kernels/page_holes.py)."""
-    from kernels.page_holes import page_hole_moves_triton
-    page_hole_moves_triton(torch.zeros(2, 3, 4, 32, dtype=torch.long), torch.zeros(2, 3, 4, dtype=torch.int32),
-                           torch.zeros(2, 3, 4, dtype=torch.long), 16, 40, torch.zeros(2, dtype=torch.long))
+def _holes_case() -> None:
+    """The moves that fill the holes an eviction leaves (kernels/hole_filling.py)."""
+    from kernels.hole_filling import hole_moves_triton
+    hole_moves_triton(torch.zeros(2, 3, 4, 32, dtype=torch.long), torch.zeros(2, 3, 4, dtype=torch.int32),
+                      torch.zeros(2, 3, 4, dtype=torch.int32), 32, 40, torch.zeros(2, dtype=torch.long))
 
 
 def default_cases() -> dict[str, Callable[[], None]]:
@@ -325,7 +325,7 @@ def default_cases() -> dict[str, Callable[[], None]]:
                                                           cache=cache)
         cases[f"store, {tag}"] = _store_case(shape, dtype, cache)
     cases["repage"] = _repage_case
-    cases["page holes"] = _page_holes_case
+    cases["holes"] = _holes_case
     return cases
 
 

@@ -3,8 +3,8 @@
 The scheduler decides who drops how many pairs (the method's schedule); here each
 (layer, KV head)'s pairs are read from the cache, ranked by the method's ranking,
 and the holes the evicted pairs leave below the head's new length are filled by the
-survivors above it (nanokv/eviction/holes.py, kernels.move_slots): an eviction writes at
-most as many pairs as it drops, and slot order is not position order. Sequences of one rule,
+survivors above it (kernels.hole_moves, kernels.move_slots): an eviction writes at most as
+many pairs as it drops, and slot order is not position order. Sequences of one rule,
 size and count are ranked together; an uneven method (kvcompress) gives up whole
 pages chosen across all its heads and layers, of every rank when the model is split
 (nanokv/eviction/pages.py).
@@ -31,7 +31,7 @@ from nanokv.engine.press_window import PressWindow
 from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import Sequence
 from nanokv.eviction import HeldPairs, KVMethod
-from nanokv.eviction.holes import hole_moves, lowest
+from nanokv.eviction.holes import lowest
 from nanokv.eviction.pages import choose_pages, eviction_order, held_pages, page_costs
 
 PIECE_BYTES = 256 * 2**20
@@ -65,7 +65,7 @@ def press_window_bytes(head_dim: int, group: int, inputs: int) -> int:
 def moved_pair_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
     """What moving one pair allocates: its K, V, position, score and scales gathered, and its
     slot indices."""
-    return 2 * head_dim * kv_dtype.itemsize + 80
+    return 2 * head_dim * kv_dtype.itemsize + 96
 
 
 def reserve_bytes(num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, max_model_len: int, group: int,
@@ -115,9 +115,9 @@ class Evictor:
         self.head_tables = head_tables   # an uneven method's own pages, after its first eviction
         self.shard = shard   # a split model's replicated KV heads sum their scores over their replicas
         # Since the engine started, over this rank's heads: the pairs evictions dropped, those they
-        # moved into holes and the pages they repaged whole, counted on the device: no sync.
+        # moved into holes (counts[:2], kernels.hole_moves) and the pages they repaged whole
+        # (counts[2], kernels.repage), counted on the device by the kernels: no sync.
         self.counts = torch.zeros(3, dtype=torch.int64, device=self.device)
-        self.evicted_pairs, self.moved_pairs, self.moved_pages = self.counts   # views: each count in place
         self.num_pieces = 0   # and the pieces they were taken in, each the same launches
         self._counted = [0, 0]                  # the counts as the host last had them,
         self._counting: Landing | None = None   # and a copy of later ones on its way
@@ -160,10 +160,11 @@ class Evictor:
                 piece = tables[in_piece, layers]
                 evicted = self._evicted(seqs[in_piece], piece, on_device["current"][in_piece], num_slots,
                                         num_evicted, layers)
-                src, dst, valid = hole_moves(evicted, num_slots)
-                kernels.move_slots(self.cache.per_slot, piece, src, dst)   # the rest move a slot onto itself
-                self.evicted_pairs += evicted.numel()
-                self.moved_pairs += valid.sum()
+                held, leaving = (torch.full(evicted.shape[:3], n, dtype=torch.int32, device=self.device)
+                                 for n in (num_slots, num_evicted))
+                src, dst, _ = kernels.hole_moves(evicted, held, leaving, piece.shape[-1] * self.block_size,
+                                                 evicted[0].numel(), self.counts[:2])
+                kernels.move_slots(self.cache.per_slot, piece.flatten(1), src, dst)   # the rest: a slot onto itself
                 if seqs[0].method.windowed:   # its scores restart: the next window counts from zero
                     self.cache.scores.index_fill_(0, piece.flatten().long(), 0.0)
         self.pair_totals()   # an earlier copy taken if it has landed; this one follows it
@@ -304,8 +305,8 @@ class Evictor:
         for in_piece, layers in pieces:
             order = (last if len(pieces) == 1 else ordered(in_piece, layers))[0]   # one piece: ordered once
             max_moves = min(order[0].numel(), max(most_moved[in_piece]))
-            *moves, kept_lens[in_piece, layers] = kernels.page_hole_moves(
-                order, lens[in_piece, layers], evicted[in_piece, layers], bs, max_moves, self.counts[:2])
+            *moves, kept_lens[in_piece, layers] = kernels.hole_moves(
+                order, lens[in_piece, layers], evicted[in_piece, layers] * bs, n, max_moves, self.counts[:2])
             kernels.move_slots(self.cache.per_slot, tables[in_piece, layers].flatten(1), *moves)   # all, unmasked
         if method.windowed:   # its scores restart (KVC-full's keep accumulating); a column past a head's
             #                   pages zeroes its first page again (a boolean mask would wait for the device)
@@ -327,7 +328,7 @@ class Evictor:
             width = max(seq.own_pages.width + pages for seq, pages in zip(seqs[part], room[part]))
             part_tables, moves, widths = kernels.repage(tables[part], kept_pages[part], staying[part],
                                                         max(given_back[part]), len(self.cache.positions),
-                                                        on_device["room"][part], width, self.moved_pages)
+                                                        on_device["room"][part], width, self.counts[2])
             kernels.move_pages(self.cache.per_slot, moves)
             for seq in seqs[part]:
                 seq.own_pages.slots = seq.num_kv_slots

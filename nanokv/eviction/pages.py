@@ -8,7 +8,7 @@ filled last page counting as the lowest; +inf never goes): page_costs. The num_p
 page evictions over all heads are taken, a head's e-th before its e+1-th as their costs never
 decrease, every head keeping at least floor_pages pages: choose_pages. Each head then keeps its
 other slots, the survivors above its new length moving into the holes below it, a sequence's
-moves packed together (kernels.page_hole_moves). All but choose_pages run on the layers a piece
+moves packed together (kernels.hole_moves). All but choose_pages run on the layers a piece
 at a time, choose_pages on them all. The pages a head keeps in the blocks its sequence gives
 back then move into the blocks it keeps (kernels.repage).
 

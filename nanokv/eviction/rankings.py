@@ -18,7 +18,7 @@ import torch
 @dataclass
 class HeldPairs:
     """The pairs of S sequences that evict together, each [S, L, H, n] in slot order, which is
-    not position order (evictions fill holes: nanokv/eviction/holes.py). Head (l, h) holds its
+    not position order (evictions fill holes: kernels/hole_filling.py). Head (l, h) holds its
     first lens[..., l, h] slots; n of them when lens is None."""
     positions: torch.Tensor            # original positions (int32)
     scores: torch.Tensor               # attention probabilities accumulated (windowed: in the window), fp32

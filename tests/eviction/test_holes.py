@@ -1,9 +1,11 @@
-"""Evicting by filling holes (nanokv/eviction/holes.py): the k lowest by a partial selection,
-ties by position, and moves that write at most k slots and keep every survivor."""
+"""Evicting by filling holes: the k lowest by a partial selection, ties by position
+(nanokv/eviction/holes.py), and moves that write at most k slots and keep every survivor
+(kernels/hole_filling.py)."""
 import pytest
 import torch
 
-from nanokv.eviction.holes import hole_moves, lowest
+from kernels.hole_filling import hole_moves_ref
+from nanokv.eviction.holes import lowest
 
 
 def by_sorting(priority: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
@@ -28,14 +30,22 @@ def test_lowest_is_the_sorted_choice_with_ties_by_position(dtype):
 
 
 def test_hole_moves_write_at_most_k_slots_and_keep_every_survivor():
+    """kernels' hole-filling moves (kernels/hole_filling.py) for heads that each drop k given slots
+    of the n they hold, five heads of a sequence end to end, the moves made at once."""
     g = torch.Generator().manual_seed(1)
     for n, k in ((8, 1), (16, 4), (64, 16), (100, 80), (64, 64)):
-        evicted = torch.stack([torch.randperm(n, generator=g)[:k].sort().values for _ in range(5)])
-        src, dst, valid = hole_moves(evicted, n)
-        for gone, s, d, v in zip(evicted.tolist(), src.tolist(), dst.tolist(), valid.tolist()):
-            head = list(range(n))   # each slot holds its own pair
-            moves = [(a, b) for a, b, ok in zip(s, d, v) if ok]
-            for a, b in moves:
-                head[b] = head[a]
-            assert sorted(head[:n - k]) == sorted(set(range(n)) - set(gone))   # the first n - k hold the survivors
-            assert len(moves) == sum(i < n - k for i in gone) <= k              # one write per hole
+        evicted = torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(5)])
+        held, leaving = (torch.full((1, 1, 5), m, dtype=torch.int32) for m in (n, k))
+        counts = torch.zeros(2, dtype=torch.int64)
+        src, dst, new_lens = hole_moves_ref(evicted.view(1, 1, 5, k), held, leaving, n, 5 * k, counts)
+        heads = list(range(5 * n))   # each slot holds its own pair
+        read = [heads[a] for a in src[0].tolist()]
+        for b, value in zip(dst[0].tolist(), read):
+            heads[b] = value
+        assert new_lens.flatten().tolist() == [n - k] * 5 and counts[0] == 5 * k
+        for h, gone in enumerate(evicted.tolist()):
+            survivors = sorted(v - h * n for v in heads[h * n:h * n + n - k])
+            assert survivors == sorted(set(range(n)) - set(gone))   # the first n - k hold the survivors
+            writes = sum(a != b and h * n <= b < (h + 1) * n for a, b in zip(src[0].tolist(), dst[0].tolist()))
+            assert writes == sum(i < n - k for i in gone) <= k         # one write per hole
+        assert counts[1] == sum(i < n - k for gone in evicted.tolist() for i in gone)

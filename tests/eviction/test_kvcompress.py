@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import kernels
-from kernels.page_holes import page_hole_moves_ref, page_hole_moves_triton
+from kernels.hole_filling import hole_moves_ref, hole_moves_triton
 from kernels.repaging import repage_ref, repage_triton
 from nanokv.eviction.pages import choose_pages, eviction_order, held_pages, page_costs
 from helpers import KERNEL_DEVICE
@@ -64,13 +64,13 @@ def on_kernel_device(kernel):
     return run
 
 
-HOLE_MOVES = [pytest.param(page_hole_moves_ref, id="reference"),
-              pytest.param(on_kernel_device(page_hole_moves_triton), id="triton")]
+HOLE_MOVES = [pytest.param(hole_moves_ref, id="reference"),
+              pytest.param(on_kernel_device(hole_moves_triton), id="triton")]
 
 
-@pytest.mark.parametrize("page_hole_moves", HOLE_MOVES)
+@pytest.mark.parametrize("hole_moves", HOLE_MOVES)
 @pytest.mark.parametrize("seed", range(6))
-def test_page_eviction_takes_the_cheapest_pages_across_heads(seed, page_hole_moves):
+def test_page_eviction_takes_the_cheapest_pages_across_heads(seed, hole_moves):
     g = torch.Generator().manual_seed(seed)
     L, H, bs, width = 3, 2, 4, 6
     n = width * bs
@@ -87,14 +87,14 @@ def test_page_eviction_takes_the_cheapest_pages_across_heads(seed, page_hole_mov
     expected_evicted, expected_kept = greedy_page_eviction(priority, lens, num_pages, bs, floor)
     assert torch.equal(evicted, expected_evicted)
     counts = torch.zeros(2, dtype=torch.int64)
-    *_, new_lens = page_hole_moves(order[None], lens[None], evicted[None], bs, L * H * n, counts)
+    *_, new_lens = hole_moves(order[None], lens[None], evicted[None] * bs, n, L * H * n, counts)
     num_moves = int(counts[1])
     dropped = sum(int(lens[head]) - len(kept) for head, kept in expected_kept.items())
     assert int(counts[0]) == int((lens - new_lens[0]).sum()) == dropped
     # The heads' slots end to end (each holding its own pair), the moves made at once, in as many
     # columns as there are moves and in two more (head (0, 0)'s last held slot onto itself).
     for columns in (num_moves, num_moves + 2):
-        src, dst, new_lens = page_hole_moves(order[None], lens[None], evicted[None], bs, columns, counts)
+        src, dst, new_lens = hole_moves(order[None], lens[None], evicted[None] * bs, n, columns, counts)
         assert src.shape == dst.shape == (1, columns)
         heads = list(range(L * H * n))
         writes = {}

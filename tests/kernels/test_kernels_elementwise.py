@@ -18,11 +18,10 @@ from kernels.compact import move_slots_ref, move_slots_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from kernels.page_holes import BLOCK as HOLES_BLOCK, page_hole_moves_ref, page_hole_moves_triton
+from kernels.hole_filling import BLOCK as HOLES_BLOCK, hole_moves_ref, hole_moves_triton
 from kernels.repaging import BLOCK as REPAGE_BLOCK, repage_ref, repage_triton
 from kernels.rope import QKNorms, apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
-from nanokv.eviction.holes import hole_moves
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (rtol, atol): a one-ulp disagreement in rounding must pass, anything more must not.
@@ -214,25 +213,29 @@ def test_the_repage_kernel_is_the_reference_over_more_pages_than_a_program_takes
 
 
 @pytest.mark.parametrize("draw", range(3))
-def test_the_page_hole_kernels_are_the_reference_over_more_slots_than_a_program_takes_at_once(draw):
-    """KV-Compress's hole-filling moves (kernels/page_holes.py) for sequences of 4 layers x 8 heads
-    x 81 pages of 16 slots (more slots than a program takes at once), each head holding some of
-    them and giving up some of its pages, its slots in any order: the same moves, new lengths and
-    counts as the reference, with a bound on the moves loose or tight."""
+def test_the_hole_filling_kernels_are_the_reference_over_more_slots_than_a_program_takes_at_once(draw):
+    """The hole-filling moves (kernels/hole_filling.py) for sequences of 4 layers x 8 heads of 1,296
+    slots (more than a program takes at once), each head holding some of them and dropping the
+    held ones among the first of its slots in a random order (KV-Compress's whole pages; a uniform
+    method's given slots, all held): the same moves, new lengths and counts as the reference,
+    with a bound on the moves loose or tight."""
     S, L, H, bs, W = 2, 4, 8, 16, 81
     n = W * bs
     torch.manual_seed(draw)
     with torch.device(KERNEL_DEVICE):
         lens = torch.randint(0, n + 1, (S, L, H)).int()
-        evicted = (torch.rand(S, L, H) * (lens + bs - 1) // bs).long()   # at most the pages it holds
+        pages = (torch.rand(S, L, H) * (lens + bs - 1) // bs).int()   # at most the pages it holds
         order = torch.rand(S, L, H, n).argsort(-1)
+        full, some = torch.full((S, L, H), n, dtype=torch.int32), torch.full((S, L, H), 100, dtype=torch.int32)
         counts = [torch.zeros(2, dtype=torch.int64) for _ in range(3)]
-    page_hole_moves_ref(order, lens, evicted, bs, L * H * n, counts[0])
-    assert n > HOLES_BLOCK and counts[0][1] > 0
-    for max_moves in (L * H * n, int(counts[0][1])):
-        expected = page_hole_moves_ref(order, lens, evicted, bs, max_moves, counts[1])
-        got = page_hole_moves_triton(order, lens, evicted, bs, max_moves, counts[2])
-        assert all(torch.equal(a, b) for a, b in zip(got, expected)) and torch.equal(counts[2], counts[1])
+    cases = [(order, lens, pages * bs), (order[..., :100], full, some)]   # pages of a head; given slots
+    for args in cases:
+        hole_moves_ref(*args, n, L * H * n, counts[0].zero_())
+        assert n > HOLES_BLOCK and counts[0][1] > 0
+        for max_moves in (L * H * n, int(counts[0][1])):
+            expected = hole_moves_ref(*args, n, max_moves, counts[1])
+            got = hole_moves_triton(*args, n, max_moves, counts[2])
+            assert all(torch.equal(a, b) for a, b in zip(got, expected)) and torch.equal(counts[2], counts[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -275,14 +278,16 @@ MOVE_CASES = [(torch.bfloat16, 64), (torch.float32, 16), (torch.int8, 6), (torch
 @pytest.mark.parametrize("kv_dtype, head_dim", MOVE_CASES)
 def test_moving_slots_moves_every_buffer_as_the_reference(kv_dtype, head_dim):
     """One launch for K, V, positions, scores and a quantized cache's scales (rows of bytes where
-    a row is no whole number of words): survivors into holes, heads in leading dimensions, the
-    moves that are not valid a slot onto itself (nanokv/eviction/holes.py)."""
+    a row is no whole number of words): survivors into holes, each sequence's heads end to end,
+    the rest of its moves a slot onto itself (kernels/hole_filling.py)."""
     with torch.device(KERNEL_DEVICE):
         buffers = per_slot_buffers(kv_dtype, head_dim)
-        tables = torch.randperm(40)[:2 * 3 * 3].view(2, 3, 3).int()   # 2 sequences, 3 heads, 3 pages each
-        evicted = torch.rand(2, 3, 12).argsort(dim=-1)[..., :5].sort(dim=-1).values
-        src, dst, valid = hole_moves(evicted, 12)
-        assert valid.any() and not valid.all()
+        tables = torch.randperm(40)[:2 * 3 * 3].view(2, 9).int()   # 2 sequences, 3 heads of 3 pages each
+        evicted = torch.rand(2, 1, 3, 12).argsort(dim=-1)[..., :5]
+        held, leaving = (torch.full((2, 1, 3), n, dtype=torch.int32) for n in (12, 5))
+        counts = torch.zeros(2, dtype=torch.int64)
+        src, dst, _ = hole_moves_ref(evicted, held, leaving, 12, 15, counts)
+        assert 0 < counts[1] < 2 * 15   # some moves, and the rest of the rows slots onto themselves
         original, expected = [b.clone() for b in buffers], [b.clone() for b in buffers]
         move_slots_ref(expected, tables, src, dst)
         move_slots_triton(buffers, tables, src, dst)
