@@ -113,13 +113,15 @@ def _hole_pack_kernel(order, num_leaving, marks, lens, new_lens, num_moves, src,
     for i in range(0, m, BLOCK):
         slot = tl.load(order + row * m + i + at, mask=i + at < first, other=n)
         hole = (i + at < first) & (slot < new_len)   # below the new length: held
-        tl.store(dst + exclusive_count(hole, holes), head * n + slot, mask=hole)
+        place = exclusive_count(hole, holes)   # stores stay in the row, even past a bound too small
+        tl.store(dst + place, head * n + slot, mask=hole & (offset + place < max_moves))
         holes += tl.sum(hole.to(tl.int32), axis=0)
     movers = 0   # in slot order
     for i in range(0, n, BLOCK):
         slot, in_range, leaving = _slots(marks, lens, row, i, n, BLOCK)
         mover = in_range & ~leaving & (slot >= new_len) & (slot < length)
-        tl.store(src + exclusive_count(mover, movers), head * n + slot, mask=mover)
+        place = exclusive_count(mover, movers)
+        tl.store(src + place, head * n + slot, mask=mover & (offset + place < max_moves))
         movers += tl.sum(mover.to(tl.int32), axis=0)
     if head == LH - 1:
         idle = tl.maximum(tl.load(lens + s * LH) - 1, 0).to(tl.int64)
