@@ -5,7 +5,9 @@ blocks, and the ideas behind them, are in tiles.py).
 A batch of short chunks over long contexts (block-wise prefill: 64 tokens at a time over
 |kv| held pairs) has few query tiles to fill the GPU with, so each (sequence, KV head)'s
 context can be cut into splits taken by programs in parallel, as flash-decoding does
-(tiles.split_range), their partial results merged after by their log-sum-exps.
+(tiles.split_range). Each split writes its partial result, and the last of a query tile's
+splits to finish merges them all by their log-sum-exps, in the same launch: a counter per
+tile says how many are done (split_counters).
 """
 from __future__ import annotations
 
@@ -23,10 +25,12 @@ QUANTIZED_BLOCK_M = 64  # an 8-bit cache's tile: at 128 rows its conversions spi
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, scales_ptr, out_ptr, lse_ptr, table_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+        q_ptr, k_ptr, v_ptr, scales_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, counters_ptr,
+        table_ptr, cu_seqlens_q_ptr, context_lens_ptr,
         qk_scale, num_splits,                         # softmax scale * log2(e); splits of each context
         stride_qt, stride_qh, stride_kp, stride_ks, stride_vp, stride_vs, stride_qsp, stride_qss,
-        stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_table_b, stride_table_h, stride_cl,
+        stride_ot, stride_oh, stride_lt, stride_pot, stride_poh, stride_pos, stride_plt, stride_plh,
+        stride_table_b, stride_table_h, stride_cl,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANTIZED: tl.constexpr, SPLIT: tl.constexpr,
@@ -35,9 +39,10 @@ def _paged_attention_kernel(
     against one split of that head's context (all of it when not SPLIT).
 
     Grid (B, cdiv(max_query_len, BLOCK_Q), Hkv * num_splits); programs past the end of
-    their sequence's queries return at once. SPLIT: out and lse are the partials
-    [T, Hq, num_splits, D] and [T, Hq, num_splits] (lse in log2 units, -inf for a row that
-    sees no slot of its split) that _merge_splits_kernel combines; else the results.
+    their sequence's queries return at once. SPLIT: each program writes its partials into
+    part_out [T, Hq, num_splits, D] and part_lse [T, Hq, num_splits] (log2 units, -inf for a
+    row that sees no slot of its split), then counts itself done in counters[tile]; the last
+    of the tile's splits merges them into out and lse and sets the counter back to 0.
     """
     seq, q_tile = tl.program_id(0), tl.program_id(1)
     kv_head, split = tl.program_id(2) // num_splits, tl.program_id(2) % num_splits
@@ -87,52 +92,63 @@ def _paged_attention_kernel(
     empty = l == 0.0                                  # no slot of this split visible to the row
     out = acc / tl.where(empty, 1.0, l)[:, None]
     lse = tl.where(empty, float("-inf"), m + tl.log2(tl.where(empty, 1.0, l)))   # log2 units
-    out_at = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + dims[None, :]
-    lse_at = lse_ptr + q_rows * stride_lt + head * stride_lh + split
+    mask = row_valid[:, None] & dim_valid[None, :]
     if SPLIT:
-        tl.store(out_at, out, mask=row_valid[:, None] & dim_valid[None, :])
-        tl.store(lse_at, lse, mask=row_valid)
+        part_out = part_out_ptr + q_rows[:, None] * stride_pot + head[:, None] * stride_poh + dims[None, :]
+        part_lse = part_lse_ptr + q_rows * stride_plt + head * stride_plh
+        tl.store(part_out + split * stride_pos, out, mask=mask)
+        tl.store(part_lse + split, lse, mask=row_valid)
+        # Every thread's partials are written before the count says so (the counter's add is
+        # one thread's, releasing them to the GPU); the last split's loads come after its add.
+        tl.debug_barrier()
+        counter = counters_ptr + (seq * tl.num_programs(1) + q_tile) * (tl.num_programs(2) // num_splits) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            out, lse = _merged(part_out, part_lse, row_valid, mask, num_splits, stride_pos, BLOCK_M, HEAD_DIM_PAD)
+            tl.store(counter, 0)                      # for the next launch
+            _store_result(out_ptr, lse_ptr, out, lse, q_rows, head, dims, row_valid, mask,
+                          stride_ot, stride_oh, stride_lt)
     else:
-        tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
-        tl.store(lse_at, lse * LN2, mask=row_valid)
+        _store_result(out_ptr, lse_ptr, out, lse, q_rows, head, dims, row_valid, mask, stride_ot, stride_oh, stride_lt)
 
 
 @triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, cu_seqlens_q_ptr, num_splits,
-                         stride_pot, stride_poh, stride_pos, stride_plt, stride_plh, stride_ot, stride_oh, stride_lt,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, G: tl.constexpr,
-                         BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Combine the splits of the rows _paged_attention_kernel's program (seq, q_tile, kv_head)
-    wrote: split i's output is weighted by exp2(lse_i - lse), its share of the whole
-    denominator. Grid (B, cdiv(max_query_len, BLOCK_Q), Hkv)."""
-    seq, q_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q >= q_len:
-        return
-    rows = tl.arange(0, BLOCK_M)
-    token = q_tile * BLOCK_Q + rows // G
-    head = kv_head * G + rows % G
-    row_valid = (rows // G < BLOCK_Q) & (token < q_len)
-    q_rows = (q_start + token).to(tl.int64)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
-    lse_row = part_lse_ptr + q_rows * stride_plt + head * stride_plh
+def _merged(part_out, part_lse, row_valid, mask, num_splits, stride_pos, BLOCK_M: tl.constexpr,
+            HEAD_DIM_PAD: tl.constexpr):
+    """The rows' splits combined, in split order: split i's output weighted by exp2(lse_i -
+    lse), its share of the whole denominator; and the whole log2-sum-exp."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for i in range(0, num_splits):
-        m = tl.maximum(m, tl.load(lse_row + i, mask=row_valid, other=float("-inf")))
+        m = tl.maximum(m, tl.load(part_lse + i, mask=row_valid, other=float("-inf")))
     m = tl.where(m == float("-inf"), 0.0, m)          # padding rows
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    part = part_out_ptr + q_rows[:, None] * stride_pot + head[:, None] * stride_poh + dims[None, :]
     for i in range(0, num_splits):
-        weight = tl.exp2(tl.load(lse_row + i, mask=row_valid, other=float("-inf")) - m)
+        weight = tl.exp2(tl.load(part_lse + i, mask=row_valid, other=float("-inf")) - m)
         total += weight
-        acc += weight[:, None] * tl.load(part + i * stride_pos, mask=mask, other=0.0)
+        acc += weight[:, None] * tl.load(part_out + i * stride_pos, mask=mask, other=0.0)
     total = tl.where(total > 0.0, total, 1.0)
+    return acc / total[:, None], m + tl.log2(total)
+
+
+@triton.jit
+def _store_result(out_ptr, lse_ptr, out, lse, q_rows, head, dims, row_valid, mask, stride_ot, stride_oh, stride_lt):
+    """The rows' output, in out's dtype, and their log-sum-exp, from log2 units to natural."""
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + q_rows * stride_lt + head, (m + tl.log2(total)) * LN2, mask=row_valid)
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + q_rows * stride_lt + head, lse * LN2, mask=row_valid)
+
+
+_split_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(num_tiles: int, device: torch.device) -> torch.Tensor:
+    """int32 counters, zero, for the query tiles (x KV heads) of a split launch on device: one
+    buffer a device, made larger when a launch needs more. Each launch leaves them zero (its
+    last splits reset them), so launches in stream order share them."""
+    counters = _split_counters.get(device)
+    if counters is None or counters.numel() < num_tiles:
+        counters = _split_counters[device] = torch.zeros(max(num_tiles, 1024), dtype=torch.int32, device=device)
+    return counters
 
 
 def prefill_tiles(dtype: torch.dtype, max_query_len: int, group: int, quantized: bool = False
@@ -182,21 +198,19 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         upcast, precision = dot_config(q.dtype)
         grid = (B, triton.cdiv(max_query_len, block_q), Hkv)
         split = num_splits > 1
-        if split:   # each split's partial output and log2-sum-exp, merged below
+        if split:   # each split's partial output and log2-sum-exp, merged by the tile's last split
             part_out = torch.empty(T, Hq, num_splits, D, dtype=torch.float32, device=q.device)
             part_lse = torch.empty(T, Hq, num_splits, dtype=torch.float32, device=q.device)
+            counters = split_counters(grid[0] * grid[1] * Hkv, q.device)
         else:
-            part_out, part_lse = out.unsqueeze(2), lse.unsqueeze(2)   # [T, Hq, 1, D]: the results themselves
-        common = dict(HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), G=G, BLOCK_Q=block_q, BLOCK_M=block_m)
+            part_out, part_lse, counters = out.unsqueeze(2), lse.unsqueeze(2), lse   # not used
         _paged_attention_kernel[grid[:2] + (Hkv * num_splits,)](
-            q, kernel_view(k_cache), kernel_view(v_cache), scales, part_out, part_lse, page_tables, cu_seqlens_q,
-            context_lens, scale * LOG2E, num_splits,
+            q, kernel_view(k_cache), kernel_view(v_cache), scales, out, lse, part_out, part_lse, counters,
+            page_tables, cu_seqlens_q, context_lens, scale * LOG2E, num_splits,
             q.stride(0), q.stride(1), *k_cache.stride()[:2], *v_cache.stride()[:2], *scales.stride()[:2],
-            *part_out.stride()[:3], *part_lse.stride()[:2], *page_tables.stride()[:2], context_lens.stride(0),
-            BLOCK_SIZE=block_size, BLOCK_N=block_n, UPCAST=upcast, DOT_PRECISION=precision,
-            QUANTIZED=kv_scales is not None, SPLIT=split, MIN_SPLIT=MIN_SPLIT, num_warps=num_warps, **common)
-        if split:
-            _merge_splits_kernel[grid](part_out, part_lse, out, lse, cu_seqlens_q, num_splits,
-                                       *part_out.stride()[:3], *part_lse.stride()[:2], out.stride(0), out.stride(1),
-                                       lse.stride(0), num_warps=4, **common)
+            out.stride(0), out.stride(1), lse.stride(0), *part_out.stride()[:3], *part_lse.stride()[:2],
+            *page_tables.stride()[:2], context_lens.stride(0),
+            HEAD_DIM=D, HEAD_DIM_PAD=triton.next_power_of_2(D), BLOCK_SIZE=block_size, G=G, BLOCK_Q=block_q,
+            BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast, DOT_PRECISION=precision,
+            QUANTIZED=kv_scales is not None, SPLIT=split, MIN_SPLIT=MIN_SPLIT, num_warps=num_warps)
     return (out, lse) if return_lse else out

@@ -17,7 +17,7 @@ from batches import (SCORE_TOL, TOL, make_cache, mixed_chunks, mixed_squares, pa
                      skip_inputs, varlen_batch)
 from helpers import KERNEL_DEVICE
 from kernels.attention.decode import MIN_SPLIT, decode_workspace, logits_scratch, paged_decode_attention_triton
-from kernels.attention.prefill import paged_attention_triton
+from kernels.attention.prefill import paged_attention_triton, split_counters
 from kernels.attention.reference import paged_attention_ref
 from kernels.kv_store import quantize
 
@@ -171,6 +171,27 @@ def test_split_chunks(dtype, G, num_splits):
     split lies past a query (it sees none of it) and where splits outnumber a context's."""
     check_mixed_batch(dtype, G, 64, 16, num_kv_heads=2, device=KERNEL_DEVICE, chunks=SPLIT_CHUNKS,
                       num_splits=num_splits)
+
+
+def test_split_launches_merge_each_tile_once_and_leave_the_counters_zero():
+    """The last of a query tile's splits merges them in the same launch: launched again and again
+    (on a GPU many tiles' splits racing to their counters), every launch gives the first's bits
+    and leaves every counter zero for the next."""
+    on_gpu = KERNEL_DEVICE == "cuda"
+    chunks = [(900, 64), (2000, 40), (300, 128), (0, 7)] * (16 if on_gpu else 1)
+    Hkv, G, D, block_size = 2, 4, 64, 16
+    q, cu_seqlens_q, context_lens = varlen_batch(chunks, Hkv, G, D, torch.bfloat16, KERNEL_DEVICE)
+    width = -(-int(context_lens.max()) // block_size)
+    k_cache, v_cache = make_cache(len(chunks) * Hkv * width, block_size, D, torch.bfloat16, KERNEL_DEVICE)
+    tables = scattered_tables(context_lens, block_size, len(k_cache), width)
+
+    def launch():
+        return paged_attention_triton(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125,
+                                      return_lse=True, max_query_len=128, num_splits=5)
+    first = launch()
+    for _ in range(200 if on_gpu else 1):
+        assert all(torch.equal(a, b) for a, b in zip(launch(), first))
+    assert not split_counters(1, q.device).any()
 
 
 @pytest.mark.parametrize("cache", ["int8", "fp8"])
