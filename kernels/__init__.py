@@ -27,6 +27,7 @@ from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_k
 from kernels.attention.prefill import PREFILL_BLOCK_M, paged_attention_triton, prefill_tiles
 from kernels.attention.reference import paged_attention_ref
 from kernels.compact import move_slots_ref, move_slots_triton
+from kernels.eviction_order import eviction_order_ref, eviction_order_triton
 from kernels.hole_filling import hole_moves_ref, hole_moves_triton
 from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
@@ -50,15 +51,16 @@ class Ops(NamedTuple):
     move_slots: Callable
     hole_moves: Callable
     repage: Callable
+    eviction_order: Callable
 
 
 _OPS = {
     "torch": Ops(silu_and_mul_ref, store_kv_ref, rms_norm_ref, add_rms_norm_ref, apply_rope_ref, move_slots_ref,
-                 hole_moves_ref, repage_ref),
+                 hole_moves_ref, repage_ref, eviction_order_ref),
     "cpu": Ops(silu_and_mul_ref, store_kv_cpu, rms_norm_ref, add_rms_norm_ref, apply_rope_cpu, move_slots_ref,
-               hole_moves_ref, repage_ref),
+               hole_moves_ref, repage_ref, eviction_order_ref),
     "triton": Ops(silu_and_mul_triton, store_kv_triton, rms_norm_triton, add_rms_norm_triton, apply_rope_triton,
-                  move_slots_triton, hole_moves_triton, repage_triton),
+                  move_slots_triton, hole_moves_triton, repage_triton, eviction_order_triton),
 }
 _forced: str | None = None
 
@@ -139,6 +141,13 @@ def hole_moves(order: torch.Tensor, lens: torch.Tensor, num_leaving: torch.Tenso
     """The survivors that fill the holes evicted pairs leave, packed per sequence, and the heads'
     new lengths (kernels/hole_filling.py)."""
     return _ops(order).hole_moves(order, lens, num_leaving, num_slots, max_moves, counts)
+
+
+def eviction_order(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, pages: torch.Tensor,
+                   block_size: int, floor_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV-Compress's heads' slots in eviction order, and what giving up each page costs
+    (kernels/eviction_order.py)."""
+    return _ops(priority).eviction_order(priority, positions, lens, pages, block_size, floor_pages)
 
 
 def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int,
@@ -369,8 +378,8 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
 
 __all__ = ["BACKENDS", "DecodeWorkspace", "PackedLinear", "QKNorms", "QUANT_MAX", "StepPlan", "add_rms_norm",
            "apply_rope", "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits",
-           "decode_partials", "decode_wave", "decode_workspace_for", "dequantize", "forced_backend", "from_host",
-           "from_host_many", "hole_moves", "logits_scratch", "long_rope_rows", "move_pages", "move_slots",
+           "decode_partials", "decode_wave", "decode_workspace_for", "dequantize", "eviction_order", "forced_backend",
+           "from_host", "from_host_many", "hole_moves", "logits_scratch", "long_rope_rows", "move_pages", "move_slots",
            "pack_arrays", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits",
            "prefill_split_bytes", "prefill_wave", "prepack_linears", "repage", "rms_norm", "rope_cos_sin_cache",
            "scratch_bytes_per_slot", "set_backend", "silu_and_mul", "split_count", "store_kv", "to_host"]

@@ -278,6 +278,15 @@ def _holes_case() -> None:
                       torch.zeros(2, 3, 4, dtype=torch.int32), 32, 40, torch.zeros(2, dtype=torch.long))
 
 
+def _eviction_order_case(slots: int) -> Callable[[], None]:
+    """KV-Compress's eviction order over heads of `slots` slots (kernels/eviction_order.py)."""
+    def run():
+        from kernels.eviction_order import eviction_order_triton
+        heads = torch.zeros(2, 3, 4, dtype=torch.int32)
+        eviction_order_triton(torch.zeros(2, 3, 4, slots), heads, heads, heads, 16, 1)
+    return run
+
+
 def default_cases() -> dict[str, Callable[[], None]]:
     """A representative subset (the full product of dtypes, head_dims, block sizes and
     groups compiles too, in ~30 minutes): each dtype, head_dim 64, 96 and 128, block 16
@@ -326,6 +335,8 @@ def default_cases() -> dict[str, Callable[[], None]]:
         cases[f"store, {tag}"] = _store_case(shape, dtype, cache)
     cases["repage"] = _repage_case
     cases["holes"] = _holes_case
+    for slots in (1024, 4096):   # the smallest sort (4 warps) and the largest (16, MAX_SLOTS)
+        cases[f"eviction order, {slots} slots"] = _eviction_order_case(slots)
     return cases
 
 

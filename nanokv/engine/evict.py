@@ -32,7 +32,7 @@ from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import Sequence
 from nanokv.eviction import HeldPairs, KVMethod
 from nanokv.eviction.holes import lowest
-from nanokv.eviction.pages import choose_pages, eviction_order, held_pages, page_costs
+from nanokv.eviction.pages import choose_pages, held_pages
 
 PIECE_BYTES = 256 * 2**20
 PIECE_SHARE = 64   # on a GPU a piece may take 1/64 of its memory, if that is more than PIECE_BYTES
@@ -290,16 +290,16 @@ class Evictor:
         pieces = self._pieces(S, method, n, num_moved=min(L * H * n, max(most_moved)))
         pages_held = held_pages(lens, bs)
 
-        def ordered(in_piece: slice, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        def ordered(in_piece: slice, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:   # order, costs
             held = self._held(seqs[in_piece], tables[in_piece, layers], on_device["current"][in_piece], n,
                               lens[in_piece, layers], layers=layers, num_kept=num_kept[in_piece])
-            return eviction_order(method.keep_priority(held), held.positions, lens[in_piece, layers],
-                                  pages_held[in_piece, layers], bs)
+            return kernels.eviction_order(method.keep_priority(held), held.positions, lens[in_piece, layers],
+                                          pages_held[in_piece, layers], bs, method.floor_pages(bs))
 
         costs = torch.empty(S, L, H, width, device=self.device)
         for in_piece, layers in pieces:
             last = ordered(in_piece, layers)
-            costs[in_piece, layers] = page_costs(last[1], pages_held[in_piece, layers], bs, method.floor_pages(bs))
+            costs[in_piece, layers] = last[1]
         evicted = self._choose_pages(costs, pages_held, on_device["target"], evictions)
         kept_lens = torch.empty_like(lens)
         for in_piece, layers in pieces:

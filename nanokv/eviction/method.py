@@ -77,7 +77,7 @@ class KVMethod:
         """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf: the
         sinks (the first positions) and the `recent` most recent, the positions after
         current - recent (every one of them is held: none was ever evicted). The slots past a
-        head's own pairs (held.lens) hold none: whatever they get here, eviction_order puts them first."""
+        head's own pairs (held.lens) hold none: whatever they get here, kernels.eviction_order puts them first."""
         priority = self.ranking.keep_priority(held)   # not cast: float64 key norms keep their precision
         protected = (held.positions < self.sinks) | (held.positions > held.current - self.recent)
         return priority.masked_fill(protected, float("inf"))

@@ -2,15 +2,16 @@
 gives up whole pages, chosen across all its heads and layers, so the pairs each
 (layer, KV head) keeps follow its scores instead of one budget for all.
 
-Each head's slots are put in eviction order once (eviction_order). Evicting e pages from a
-head costs the largest priority among its e * bs lowest slots (the empty slots of its partly
-filled last page counting as the lowest; +inf never goes): page_costs. The num_pages cheapest
-page evictions over all heads are taken, a head's e-th before its e+1-th as their costs never
-decrease, every head keeping at least floor_pages pages: choose_pages. Each head then keeps its
-other slots, the survivors above its new length moving into the holes below it, a sequence's
-moves packed together (kernels.hole_moves). All but choose_pages run on the layers a piece
-at a time, choose_pages on them all. The pages a head keeps in the blocks its sequence gives
-back then move into the blocks it keeps (kernels.repage).
+Each head's slots are put in eviction order once, lowest priority first, and evicting e
+pages from a head costs the largest priority among its e * bs lowest slots (the empty slots
+of its partly filled last page counting as the lowest; +inf never goes): kernels.eviction_order.
+The num_pages cheapest page evictions over all heads are taken, a head's e-th before its
+e+1-th as their costs never decrease, every head keeping at least floor_pages pages:
+choose_pages. Each head then keeps its other slots, the survivors above its new length
+moving into the holes below it, a sequence's moves packed together (kernels.hole_moves).
+All but choose_pages run on the layers a piece at a time, choose_pages on them all. The
+pages a head keeps in the blocks its sequence gives back then move into the blocks it keeps
+(kernels.repage).
 
 Pure tensor functions of sequences' pages: one sequence's, or several evicted together along
 leading dimensions; the eviction surgery (nanokv/engine/evict.py) reads the pairs from the
@@ -24,27 +25,6 @@ import torch
 def held_pages(lens: torch.Tensor, block_size: int) -> torch.Tensor:
     """The pages that hold lens pairs."""
     return (lens + (block_size - 1)) // block_size
-
-
-def eviction_order(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, pages: torch.Tensor,
-                   block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each head's slots in eviction order (empty slots first, other heads' never; ties by
-    position) and their priorities in that order, when it holds lens pairs in pages pages."""
-    slot = torch.arange(priority.shape[-1], device=priority.device)
-    empty = slot >= lens[..., None]
-    beyond = slot >= (pages * block_size)[..., None]   # in pages it does not hold
-    priority = priority.masked_fill(empty, float("-inf")).masked_fill(beyond, float("inf"))
-    by_position = positions.masked_fill(empty, -1).argsort(dim=-1, stable=True)
-    order = by_position.gather(-1, priority.gather(-1, by_position).argsort(dim=-1, stable=True))
-    return order, priority.gather(-1, order)
-
-
-def page_costs(ordered: torch.Tensor, pages: torch.Tensor, block_size: int, floor_pages: int) -> torch.Tensor:
-    """[..., L, H, n / bs]: what evicting each head's e-th page costs (+inf below its floor),
-    from its priorities in eviction order, when it holds pages pages."""
-    costs = ordered[..., block_size - 1::block_size]
-    count = torch.arange(1, costs.shape[-1] + 1, device=ordered.device)
-    return costs.masked_fill(count > (pages - floor_pages)[..., None], float("inf"))
 
 
 def choose_pages(costs: torch.Tensor, num_pages: torch.Tensor | int) -> torch.Tensor:

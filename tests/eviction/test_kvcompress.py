@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import kernels
+from kernels.eviction_order import eviction_order_ref, eviction_order_triton
 from kernels.hole_filling import hole_moves_ref, hole_moves_triton
 from kernels.repaging import repage_ref, repage_triton
-from nanokv.eviction.pages import choose_pages, eviction_order, held_pages, page_costs
+from nanokv.eviction.pages import choose_pages, held_pages
 from helpers import KERNEL_DEVICE
 from oracle import BLOCK, differences, distinct_prompt as prompt, engine
 
@@ -64,26 +65,26 @@ def on_kernel_device(kernel):
     return run
 
 
-HOLE_MOVES = [pytest.param(hole_moves_ref, id="reference"),
-              pytest.param(on_kernel_device(hole_moves_triton), id="triton")]
+KERNELS = [pytest.param(eviction_order_ref, hole_moves_ref, id="reference"),
+           pytest.param(on_kernel_device(eviction_order_triton), on_kernel_device(hole_moves_triton), id="triton")]
 
 
-@pytest.mark.parametrize("hole_moves", HOLE_MOVES)
+@pytest.mark.parametrize("eviction_order, hole_moves", KERNELS)
 @pytest.mark.parametrize("seed", range(6))
-def test_page_eviction_takes_the_cheapest_pages_across_heads(seed, hole_moves):
+def test_page_eviction_takes_the_cheapest_pages_across_heads(seed, eviction_order, hole_moves):
     g = torch.Generator().manual_seed(seed)
     L, H, bs, width = 3, 2, 4, 6
     n = width * bs
     lens = torch.randint(bs + 1, n + 1, (L, H), generator=g).int()
-    priority = torch.randint(0, 6, (L, H, n), generator=g).double()   # many ties
+    priority = torch.randint(0, 6, (L, H, n), generator=g).float()   # many ties
     priority[0, 0, :3] = math.inf                                     # protected pairs
     floor = 1 + seed % 2
     room = int((-(-lens // bs) - floor).clamp(min=0).sum())
     num_pages = int(torch.randint(1, room + 1, (), generator=g))
     positions = torch.arange(n).expand(L, H, -1)   # ties by position: by slot, as the greedy oracle breaks them
     pages = held_pages(lens, bs)
-    order, ordered = eviction_order(priority, positions, lens, pages, bs)
-    evicted = choose_pages(page_costs(ordered, pages, bs, floor), num_pages)
+    order, costs = eviction_order(priority, positions.int(), lens, pages, bs, floor)
+    evicted = choose_pages(costs, num_pages)
     expected_evicted, expected_kept = greedy_page_eviction(priority, lens, num_pages, bs, floor)
     assert torch.equal(evicted, expected_evicted)
     counts = torch.zeros(2, dtype=torch.int64)

@@ -18,6 +18,7 @@ from kernels.compact import move_slots_ref, move_slots_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.eviction_order import MAX_SLOTS, eviction_order_ref, eviction_order_triton
 from kernels.hole_filling import BLOCK as HOLES_BLOCK, hole_moves_ref, hole_moves_triton
 from kernels.repaging import BLOCK as REPAGE_BLOCK, repage_ref, repage_triton
 from kernels.rope import QKNorms, apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
@@ -236,6 +237,28 @@ def test_the_hole_filling_kernels_are_the_reference_over_more_slots_than_a_progr
             expected = hole_moves_ref(*args, n, max_moves, counts[1])
             got = hole_moves_triton(*args, n, max_moves, counts[2])
             assert all(torch.equal(a, b) for a, b in zip(got, expected)) and torch.equal(counts[2], counts[1])
+
+
+@pytest.mark.parametrize("slots", [1296, MAX_SLOTS] if KERNEL_DEVICE == "cuda" else [80])
+def test_the_eviction_order_kernel_is_the_reference(slots):
+    """KV-Compress's eviction order (kernels/eviction_order.py) for heads of a number of slots that
+    is no power of two (the sort's block padded), and on a GPU of MAX_SLOTS (the interpreter's sort
+    takes seconds a head): heads empty, partly and wholly held, in fewer pages than their slots
+    take; priorities with ties (small integers, -0.0 and 0.0) and protected pairs (+inf); distinct
+    positions a head. The same order and costs as the reference, bit for bit."""
+    S, L, H, bs = (2, 2, 4, 16) if KERNEL_DEVICE == "cuda" else (1, 2, 2, 16)
+    with torch.device(KERNEL_DEVICE):
+        lens = torch.randint(0, slots + 1, (S, L, H)).int()
+        lens[0, 0, :2] = torch.tensor([0, slots])
+        pages = torch.minimum(-(-lens // bs) + torch.randint(0, 3, (S, L, H)), torch.tensor(slots // bs)).int()
+        priority = torch.randint(-4, 5, (S, L, H, slots)).float() / 2
+        priority[priority == 0] = torch.tensor([0.0, -0.0]).repeat(slots)[:int((priority == 0).sum())]
+        priority[torch.rand(S, L, H, slots) < 0.05] = float("inf")
+        positions = torch.rand(S, L, H, 4 * slots).argsort(-1)[..., :slots].int()
+    for floor in (1, 3):
+        expected = eviction_order_ref(priority, positions, lens, pages, bs, floor)
+        got = eviction_order_triton(priority, positions, lens, pages, bs, floor)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

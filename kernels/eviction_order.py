@@ -1,0 +1,87 @@
+"""KV-Compress's eviction order: each head's slots in the order its pairs leave, and what
+giving up each of its pages costs (nanokv/eviction/pages.py chooses the pages from the costs).
+
+A head's slots leave lowest priority first, ties to the lower position: its empty slots (at
+or past its length) first, the slots of pages it does not hold never (+inf). Evicting its
+first e pages costs the priority of its (e * bs)-th slot in that order; a page below its
+floor costs +inf.
+
+The torch reference is sixteen ops (two stable sorts), each a launch on a GPU. The Triton
+kernel takes a program a head, in one launch: it sorts the head's slots by position to rank
+them, then by (priority, rank, slot) packed in one 64-bit key, priority's bits flipped so
+that integer order is float order.
+"""
+import torch
+import triton
+import triton.language as tl
+
+# The most slots a head's program sorts in its registers (no spills on sm_80); past them, the reference.
+MAX_SLOTS = 4096
+
+
+def eviction_order_ref(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, pages: torch.Tensor,
+                       block_size: int, floor_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For heads [..., n] holding lens [...] pairs (the slots below) in pages [...] pages, with
+    priority and positions [..., n] per slot: each head's slots in eviction order [..., n] (int64)
+    and what evicting its e-th page costs [..., n / block_size] (+inf below its floor_pages)."""
+    slot = torch.arange(priority.shape[-1], device=priority.device)
+    empty = slot >= lens[..., None]
+    beyond = slot >= (pages * block_size)[..., None]   # in pages it does not hold
+    priority = priority.masked_fill(empty, float("-inf")).masked_fill(beyond, float("inf"))
+    by_position = positions.masked_fill(empty, -1).argsort(dim=-1, stable=True)
+    order = by_position.gather(-1, priority.gather(-1, by_position).argsort(dim=-1, stable=True))
+    costs = priority.gather(-1, order[..., block_size - 1::block_size])
+    count = torch.arange(1, costs.shape[-1] + 1, device=priority.device)
+    return order, costs.masked_fill(count > (pages - floor_pages)[..., None], float("inf"))
+
+
+@triton.jit
+def _flipped(bits):
+    """Float bits (int32) made to sort as their floats do, and back: a negative's magnitude flipped."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _eviction_order_kernel(priority, positions, lens, pages, order, costs, n, floor_pages,
+                           BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, SLOT_BITS: tl.constexpr):
+    """Head `row`'s order [n] and costs [n / BLOCK_SIZE]; its row of order holds each slot's
+    position rank in between (the sort's inverse, through memory)."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.arange(0, BLOCK).to(tl.int64)
+    valid = slot < n
+    empty = slot >= tl.load(lens + row)
+    held = tl.load(pages + row)
+    last = 0x7FFFFFFFFFFFFFFF   # a key past every slot's: the block's padding
+    position = tl.where(empty, -1, tl.load(positions + row * n + slot, mask=valid, other=0)).to(tl.int64)
+    by_position = tl.sort(tl.where(valid, ((position + 1) << SLOT_BITS) | slot, last))
+    tl.store(order + row * n + (by_position & (BLOCK - 1)), slot, mask=valid)
+    tl.debug_barrier()   # the ranks stored, by every thread, before any is read
+    rank = tl.load(order + row * n + slot, mask=valid, other=0)
+    tl.debug_barrier()   # read before the order overwrites them
+    p = tl.load(priority + row * n + slot, mask=valid, other=0.0)
+    p = tl.where(p == 0.0, 0.0, p)   # -0.0 ties with 0.0, as the float compare has it
+    p = tl.where(slot >= held * BLOCK_SIZE, float("inf"), tl.where(empty, float("-inf"), p))
+    key = (_flipped(p.to(tl.int32, bitcast=True)).to(tl.int64) << 32) | (rank << SLOT_BITS) | slot
+    ordered = tl.sort(tl.where(valid, key, last))
+    tl.store(order + row * n + slot, ordered & (BLOCK - 1), mask=valid)
+    cost = _flipped((ordered >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
+    page = slot // BLOCK_SIZE
+    cost = tl.where(page + 1 > held - floor_pages, float("inf"), cost)
+    tl.store(costs + row * (n // BLOCK_SIZE) + page, cost, mask=valid & (slot % BLOCK_SIZE == BLOCK_SIZE - 1))
+
+
+def eviction_order_triton(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, pages: torch.Tensor,
+                          block_size: int, floor_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """eviction_order_ref in one launch, for fp32 priorities of heads of at most MAX_SLOTS slots."""
+    n = priority.shape[-1]
+    if priority.dtype != torch.float32 or n > MAX_SLOTS:
+        return eviction_order_ref(priority, positions, lens, pages, block_size, floor_pages)
+    heads = priority.shape[:-1]
+    order = torch.empty(*heads, n, dtype=torch.int64, device=priority.device)
+    costs = torch.empty(*heads, n // block_size, dtype=torch.float32, device=priority.device)
+    block = triton.next_power_of_2(n)
+    _eviction_order_kernel[(heads.numel(),)](priority.contiguous(), positions.contiguous(), lens.contiguous(),
+                                             pages.contiguous(), order, costs, n, floor_pages, BLOCK_SIZE=block_size,
+                                             BLOCK=block, SLOT_BITS=block.bit_length() - 1,
+                                             num_warps=max(4, min(16, block // 256)))
+    return order, costs
