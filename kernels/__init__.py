@@ -27,7 +27,7 @@ from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_k
 from kernels.attention.prefill import PREFILL_BLOCK_M, paged_attention_triton, prefill_tiles
 from kernels.attention.reference import paged_attention_ref
 from kernels.compact import move_slots_ref, move_slots_triton
-from kernels.eviction_order import eviction_order_ref, eviction_order_triton
+from kernels.eviction_order import eviction_order_ref, eviction_order_triton, lowest_ref, lowest_triton
 from kernels.hole_filling import hole_moves_ref, hole_moves_triton
 from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
@@ -52,15 +52,16 @@ class Ops(NamedTuple):
     hole_moves: Callable
     repage: Callable
     eviction_order: Callable
+    lowest: Callable
 
 
 _OPS = {
     "torch": Ops(silu_and_mul_ref, store_kv_ref, rms_norm_ref, add_rms_norm_ref, apply_rope_ref, move_slots_ref,
-                 hole_moves_ref, repage_ref, eviction_order_ref),
+                 hole_moves_ref, repage_ref, eviction_order_ref, lowest_ref),
     "cpu": Ops(silu_and_mul_ref, store_kv_cpu, rms_norm_ref, add_rms_norm_ref, apply_rope_cpu, move_slots_ref,
-               hole_moves_ref, repage_ref, eviction_order_ref),
+               hole_moves_ref, repage_ref, eviction_order_ref, lowest_ref),
     "triton": Ops(silu_and_mul_triton, store_kv_triton, rms_norm_triton, add_rms_norm_triton, apply_rope_triton,
-                  move_slots_triton, hole_moves_triton, repage_triton, eviction_order_triton),
+                  move_slots_triton, hole_moves_triton, repage_triton, eviction_order_triton, lowest_triton),
 }
 _forced: str | None = None
 
@@ -148,6 +149,12 @@ def eviction_order(priority: torch.Tensor, positions: torch.Tensor, lens: torch.
     """KV-Compress's heads' slots in eviction order, and what giving up each page costs
     (kernels/eviction_order.py)."""
     return _ops(priority).eviction_order(priority, positions, lens, pages, block_size, floor_pages)
+
+
+def lowest(priority: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The slots of each head's k lowest priorities, ties to the lower position, ascending
+    (kernels/eviction_order.py)."""
+    return _ops(priority).lowest(priority, positions, k)
 
 
 def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int,
@@ -379,7 +386,7 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
 __all__ = ["BACKENDS", "DecodeWorkspace", "PackedLinear", "QKNorms", "QUANT_MAX", "StepPlan", "add_rms_norm",
            "apply_rope", "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits",
            "decode_partials", "decode_wave", "decode_workspace_for", "dequantize", "eviction_order", "forced_backend",
-           "from_host", "from_host_many", "hole_moves", "logits_scratch", "long_rope_rows", "move_pages", "move_slots",
-           "pack_arrays", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits",
+           "from_host", "from_host_many", "hole_moves", "logits_scratch", "long_rope_rows", "lowest", "move_pages",
+           "move_slots", "pack_arrays", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits",
            "prefill_split_bytes", "prefill_wave", "prepack_linears", "repage", "rms_norm", "rope_cos_sin_cache",
            "scratch_bytes_per_slot", "set_backend", "silu_and_mul", "split_count", "store_kv", "to_host"]

@@ -1,15 +1,15 @@
-"""KV-Compress's eviction order: each head's slots in the order its pairs leave, and what
-giving up each of its pages costs (nanokv/eviction/pages.py chooses the pages from the costs).
+"""Which of a head's pairs leave first: the lowest priority, ties to the lower position.
 
-A head's slots leave lowest priority first, ties to the lower position: its empty slots (at
-or past its length) first, the slots of pages it does not hold never (+inf). Evicting its
-first e pages costs the priority of its (e * bs)-th slot in that order; a page below its
-floor costs +inf.
+KV-Compress (eviction_order) puts each head's slots in that order, its empty slots (at or
+past its length) first and the slots of pages it does not hold never (+inf), and prices its
+pages: evicting its first e pages costs the priority of its (e * bs)-th slot in that order,
+a page below its floor +inf (nanokv/eviction/pages.py chooses the pages from the costs). A
+uniform method (lowest) takes the k first of every head's slots, all held.
 
-The torch reference is sixteen ops (two stable sorts), each a launch on a GPU. The Triton
-kernel takes a program a head, in one launch: it sorts the head's slots by position to rank
-them, then by (priority, rank, slot) packed in one 64-bit key, priority's bits flipped so
-that integer order is float order.
+The torch references are sixteen ops (two stable sorts) and, for a uniform method, a partial
+selection of seventeen, each a launch on a GPU. The Triton kernel takes a program a head, in
+one launch: it sorts the head's slots by position to rank them, then by (priority, rank, slot)
+packed in one 64-bit key, priority's bits flipped so that integer order is float order.
 """
 import torch
 import triton
@@ -33,6 +33,24 @@ def eviction_order_ref(priority: torch.Tensor, positions: torch.Tensor, lens: to
     costs = priority.gather(-1, order[..., block_size - 1::block_size])
     count = torch.arange(1, costs.shape[-1] + 1, device=priority.device)
     return order, costs.masked_fill(count > (pages - floor_pages)[..., None], float("inf"))
+
+
+def lowest_ref(priority: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., k]: the slots of each head's k lowest priorities of [..., n], ties going to the lower
+    position, in ascending slot order. A partial selection (the k-th value, then the ties), no
+    full sort."""
+    n = priority.shape[-1]
+    slot = torch.arange(n, device=priority.device)
+    if k == 0:
+        return slot[:0].expand(*priority.shape[:-1], 0)
+    threshold = priority.kthvalue(k, dim=-1, keepdim=True).values
+    below = priority < threshold
+    ties = priority == threshold
+    wanted = k - below.sum(-1, keepdim=True)   # ties to take, by position: 1..k
+    tie_positions = positions.long().masked_fill(~ties, torch.iinfo(torch.int64).max)
+    last = tie_positions.topk(k, dim=-1, largest=False).values.gather(-1, wanted - 1)
+    evicted = below | (ties & (tie_positions <= last))
+    return torch.where(evicted, slot, n + slot).topk(k, dim=-1, largest=False).values   # sorted: ascending
 
 
 @triton.jit
@@ -85,3 +103,13 @@ def eviction_order_triton(priority: torch.Tensor, positions: torch.Tensor, lens:
                                              BLOCK=block, SLOT_BITS=block.bit_length() - 1,
                                              num_warps=max(4, min(16, block // 256)))
     return order, costs
+
+
+def lowest_triton(priority: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """lowest_ref as the first k of the eviction order (every slot held, in one page), sorted."""
+    n = priority.shape[-1]
+    if k == 0 or priority.dtype != torch.float32 or n > MAX_SLOTS:
+        return lowest_ref(priority, positions, k)
+    held = torch.full(priority.shape[:-1], n, dtype=torch.int32, device=priority.device)
+    order, _ = eviction_order_triton(priority, positions, held, torch.ones_like(held), n, 0)
+    return order[..., :k].sort(dim=-1).values

@@ -1,5 +1,5 @@
 """Evicting by filling holes: once each head knows which of its pairs leave, which of its
-survivors move into the slots they leave (nanokv/eviction/holes.py picks a uniform method's
+survivors move into the slots they leave (kernels/eviction_order.py picks a uniform method's
 pairs, nanokv/eviction/pages.py KV-Compress's pages).
 
 A head holding n pairs that drops k of them keeps its first n - k slots: the pairs it keeps

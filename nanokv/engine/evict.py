@@ -31,7 +31,6 @@ from nanokv.engine.press_window import PressWindow
 from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import Sequence
 from nanokv.eviction import HeldPairs, KVMethod
-from nanokv.eviction.holes import lowest
 from nanokv.eviction.pages import choose_pages, held_pages
 
 PIECE_BYTES = 256 * 2**20
@@ -222,7 +221,7 @@ class Evictor:
         """[S, L, H, num_evicted] ascending slot indices each head drops of its first num_slots (of
         the model's layers `layers`), by the sequences' common rule: the lowest priorities, ties by position."""
         held = self._held(seqs, tables, current, num_slots, num_evicted=num_evicted, layers=layers)
-        return lowest(seqs[0].method.keep_priority(held), held.positions, num_evicted)
+        return kernels.lowest(seqs[0].method.keep_priority(held), held.positions, num_evicted)
 
     def _own_host(self, seqs: list[Sequence], num_slots: list[int]) -> dict[str, np.ndarray]:
         """The host's part of uneven sequences' own pages when each holds its num_slots slots (per

@@ -22,7 +22,7 @@ from oracle import distinct_prompt
 from nanokv import LLM, SamplingParams
 from nanokv.engine import evict
 from nanokv.eviction import HeldPairs
-from nanokv.eviction.holes import lowest
+from kernels.eviction_order import lowest_ref as lowest
 from nanokv.eviction.press import READS_WINDOW, RUNS_AS_IS, PressRanking, check_press
 
 PRESSES = [getattr(kvpress, name)(**({"seed": 0} if name == "RandomPress" else {}))
