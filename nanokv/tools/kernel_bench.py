@@ -26,6 +26,7 @@ from kernels import decode_num_splits, decode_workspace_for, prefill_num_splits
 from kernels.activation import silu_and_mul_triton
 from kernels.attention.decode import decode_workspace, paged_decode_attention_triton
 from kernels.attention.prefill import paged_attention_triton
+from kernels.eviction_order import eviction_order_ref, eviction_order_triton, lowest_ref, lowest_triton
 from kernels.kv_store import quantize
 from kernels.norm import rms_norm_triton
 from kernels.rope import QKNorms, apply_rope_triton, rope_cos_sin_cache
@@ -188,6 +189,30 @@ def elementwise_table(records: list[dict]) -> list[str]:
         f"| {r['op']} | {r['shape']} | {r['us']:.1f} | {100 * r['copy_share']:.0f}% |" for r in records]
 
 
+def bench_eviction() -> list[dict]:
+    """An eviction piece's selection, the Triton kernel against the torch reference: KV-Compress's
+    order over 10 sequences of the Qwen3-0.6B shape (28 layers x 8 KV heads, the widest 1,152 slots),
+    and batchmax's 64 of |kv| 1024 + 64 over 8 sequences of the Llama-3.1-8B shape's 32 x 8 heads."""
+    records = []
+    for heads, n, k in ((2240, 1152, 0), (2048, 1088, 64)):
+        priority = torch.rand(heads, n, device="cuda")
+        positions = torch.rand(heads, n, device="cuda").argsort(-1).int()
+        lens = torch.randint(n // 2, n + 1, (heads,), device="cuda", dtype=torch.int32)
+        pages = (lens + 15) // 16
+        op, args = (f"lowest {k}", (priority, positions, k)) if k else \
+            ("eviction order", (priority, positions, lens, pages, 16, 1))
+        for impl, fn in ((("kernel", lowest_triton), ("torch", lowest_ref)) if k else
+                         (("kernel", eviction_order_triton), ("torch", eviction_order_ref))):
+            records.append(dict(kind="eviction", op=op, shape=f"{heads} heads x {n} slots", impl=impl,
+                                us=ms(lambda: fn(*args)) * 1e3))
+    return records
+
+
+def eviction_table(records: list[dict]) -> list[str]:
+    return ["| op | shape | kernel µs | torch µs |", "| --- | --- | --- | --- |"] + [
+        f"| {a['op']} | {a['shape']} | {a['us']:.1f} | {b['us']:.1f} |" for a, b in zip(records[::2], records[1::2])]
+
+
 STEP_CASES = (("llama-3.1-8b", 64), ("qwen3-0.6b", 128))   # the paper mode's shape, the workload mode's
 STEP_CONTEXT, STEP_MAX_LEN, STEP_BLOCK = 1024, 2048, 16
 
@@ -289,7 +314,8 @@ def main() -> None:
                  lambda: bench_decode(bw, args.quick), decode_table),
                 ("prefill attention (bf16, Hq=32, Hkv=8, D=128, block 16)", bench_prefill, prefill_table),
                 ("elementwise", lambda: bench_elementwise(bw), elementwise_table),
-                ("decode step", lambda: bench_decode_step(bw), decode_step_table)]
+                ("decode step", lambda: bench_decode_step(bw), decode_step_table),
+                ("an eviction piece's selection (device time)", bench_eviction, eviction_table)]
     save([dict(kind="ceilings", copy_gb_s=bw / 1e9, matmul_tflops=flops / 1e12)], context, args.out)
     for title, bench, table in sections:
         records = bench()

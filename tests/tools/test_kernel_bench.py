@@ -2,7 +2,7 @@
 import pytest
 
 from nanokv.tools import gpu_targets
-from nanokv.tools.kernel_bench import decode_step_table, largest_kernels
+from nanokv.tools.kernel_bench import decode_step_table, eviction_table, largest_kernels
 
 
 def test_largest_kernels_per_call_longest_first_and_the_rest_in_one_row():
@@ -28,3 +28,11 @@ def test_each_decode_step_its_table_and_figure():
     assert [f.name for f in figures] == ["decode step, llama-3.1-8b shape, batch 64: time / roofline",
                                          "decode step, qwen3-0.6b shape, batch 128: time / roofline"]
     assert [f.target for f in figures] == ["", "<= 1.25x"] and figures[1].met is False   # the workload's shape
+
+
+def test_the_eviction_table_puts_the_kernel_beside_the_reference():
+    records = [dict(kind="eviction", op=op, shape="2240 heads x 1152 slots", impl=impl, us=us)
+               for op, impl, us in (("eviction order", "kernel", 30.0), ("eviction order", "torch", 90.5),
+                                    ("lowest 64", "kernel", 20.0), ("lowest 64", "torch", 60.0))]
+    assert eviction_table(records)[2:] == ["| eviction order | 2240 heads x 1152 slots | 30.0 | 90.5 |",
+                                           "| lowest 64 | 2240 heads x 1152 slots | 20.0 | 60.0 |"]
