@@ -28,6 +28,7 @@ from kernels.attention.prefill import PREFILL_BLOCK_M, paged_attention_triton, p
 from kernels.attention.reference import paged_attention_ref
 from kernels.compact import move_slots_ref, move_slots_triton
 from kernels.eviction_order import eviction_order_ref, eviction_order_triton, lowest_ref, lowest_triton
+from kernels.head_slots import head_slots_ref, head_slots_triton
 from kernels.hole_filling import hole_moves_ref, hole_moves_triton
 from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
@@ -53,15 +54,17 @@ class Ops(NamedTuple):
     repage: Callable
     eviction_order: Callable
     lowest: Callable
+    head_slots: Callable
 
 
 _OPS = {
     "torch": Ops(silu_and_mul_ref, store_kv_ref, rms_norm_ref, add_rms_norm_ref, apply_rope_ref, move_slots_ref,
-                 hole_moves_ref, repage_ref, eviction_order_ref, lowest_ref),
+                 hole_moves_ref, repage_ref, eviction_order_ref, lowest_ref, head_slots_ref),
     "cpu": Ops(silu_and_mul_ref, store_kv_cpu, rms_norm_ref, add_rms_norm_ref, apply_rope_cpu, move_slots_ref,
-               hole_moves_ref, repage_ref, eviction_order_ref, lowest_ref),
+               hole_moves_ref, repage_ref, eviction_order_ref, lowest_ref, head_slots_ref),
     "triton": Ops(silu_and_mul_triton, store_kv_triton, rms_norm_triton, add_rms_norm_triton, apply_rope_triton,
-                  move_slots_triton, hole_moves_triton, repage_triton, eviction_order_triton, lowest_triton),
+                  move_slots_triton, hole_moves_triton, repage_triton, eviction_order_triton, lowest_triton,
+                  head_slots_triton),
 }
 _forced: str | None = None
 
@@ -122,6 +125,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def store_kv(k, v, k_cache, v_cache, pos_cache, score_cache, slot_mapping, positions, kv_scales=None) -> None:
     _ops(k).store_kv(k, v, k_cache, v_cache, pos_cache, score_cache, slot_mapping, positions, kv_scales=kv_scales)
+
+
+def head_slots(tables: torch.Tensor, lens: torch.Tensor, block_size: int, row_seq: torch.Tensor | None = None,
+               from_end: torch.Tensor | None = None) -> torch.Tensor:
+    """Where a step's new pairs go in heads with pages of their own (kernels/head_slots.py)."""
+    return _ops(lens).head_slots(tables, lens, block_size, row_seq, from_end)
 
 
 def move_slots(buffers: tuple[torch.Tensor, ...], tables: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -386,7 +395,8 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
 __all__ = ["BACKENDS", "DecodeWorkspace", "PackedLinear", "QKNorms", "QUANT_MAX", "StepPlan", "add_rms_norm",
            "apply_rope", "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits",
            "decode_partials", "decode_wave", "decode_workspace_for", "dequantize", "eviction_order", "forced_backend",
-           "from_host", "from_host_many", "hole_moves", "logits_scratch", "long_rope_rows", "lowest", "move_pages",
-           "move_slots", "pack_arrays", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits",
-           "prefill_split_bytes", "prefill_wave", "prepack_linears", "repage", "rms_norm", "rope_cos_sin_cache",
-           "scratch_bytes_per_slot", "set_backend", "silu_and_mul", "split_count", "store_kv", "to_host"]
+           "from_host", "from_host_many", "head_slots", "hole_moves", "logits_scratch", "long_rope_rows", "lowest",
+           "move_pages", "move_slots", "pack_arrays", "packs_weights", "paged_attention", "plan_step",
+           "prefill_num_splits", "prefill_split_bytes", "prefill_wave", "prepack_linears", "repage", "rms_norm",
+           "rope_cos_sin_cache", "scratch_bytes_per_slot", "set_backend", "silu_and_mul", "split_count", "store_kv",
+           "to_host"]

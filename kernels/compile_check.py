@@ -287,6 +287,15 @@ def _eviction_order_case(slots: int) -> Callable[[], None]:
     return run
 
 
+def _head_slots_case() -> None:
+    """Where a step's pairs go in heads with pages of their own (kernels/head_slots.py): a decode,
+    and prompt chunks."""
+    from kernels.head_slots import head_slots_triton
+    tables, lens = torch.zeros(4, 3, 2, 8, 5, dtype=torch.int32).transpose(0, 1), torch.ones(4, 3, 8, dtype=torch.int32)
+    head_slots_triton(tables, lens.transpose(0, 1), 16)
+    head_slots_triton(tables, lens.transpose(0, 1), 16, torch.zeros(6, dtype=torch.long), torch.ones(6, dtype=torch.long))
+
+
 def default_cases() -> dict[str, Callable[[], None]]:
     """A representative subset (the full product of dtypes, head_dims, block sizes and
     groups compiles too, in ~30 minutes): each dtype, head_dim 64, 96 and 128, block 16
@@ -335,6 +344,7 @@ def default_cases() -> dict[str, Callable[[], None]]:
         cases[f"store, {tag}"] = _store_case(shape, dtype, cache)
     cases["repage"] = _repage_case
     cases["holes"] = _holes_case
+    cases["head slots"] = _head_slots_case
     for slots in (1024, 4096):   # the smallest sort (4 warps) and the largest (16, MAX_SLOTS)
         cases[f"eviction order, {slots} slots"] = _eviction_order_case(slots)
     return cases

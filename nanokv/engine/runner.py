@@ -317,16 +317,7 @@ class ModelRunner:
         row t from_end[t] slots from the end of sequence row_seq[t] (_page_rows)."""
         if "first_slots" in on_device:
             return cache.token_slots(on_device["first_slots"])
-        L, B, H = lens.shape
-        if "row_seq" not in on_device:   # one token a sequence: its pair goes to each head's last slot
-            index = lens - 1
-            pages = tables.gather(3, (index // self.block_size)[..., None].long())[..., 0]
-        else:
-            row_seq = on_device["row_seq"]
-            index = lens[:, row_seq] - on_device["from_end"][None, :, None]         # [L, T, H]: its slot per head
-            pages = tables[torch.arange(L, device=self.device)[:, None, None], row_seq[None, :, None],
-                           torch.arange(H, device=self.device)[None, None, :], index // self.block_size]
-        return pages.long() * self.block_size + index % self.block_size
+        return kernels.head_slots(tables, lens, self.block_size, on_device.get("row_seq"), on_device.get("from_end"))
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, clock: StepClock | None = None) -> SampledTokens | None:

@@ -19,6 +19,7 @@ from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.eviction_order import MAX_SLOTS, eviction_order_ref, eviction_order_triton
+from kernels.head_slots import BLOCK as SLOTS_BLOCK, head_slots_ref, head_slots_triton
 from kernels.hole_filling import BLOCK as HOLES_BLOCK, hole_moves_ref, hole_moves_triton
 from kernels.repaging import BLOCK as REPAGE_BLOCK, repage_ref, repage_triton
 from kernels.rope import QKNorms, apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
@@ -237,6 +238,20 @@ def test_the_hole_filling_kernels_are_the_reference_over_more_slots_than_a_progr
             expected = hole_moves_ref(*args, n, max_moves, counts[1])
             got = hole_moves_triton(*args, n, max_moves, counts[2])
             assert all(torch.equal(a, b) for a, b in zip(got, expected)) and torch.equal(counts[2], counts[1])
+
+
+def test_the_head_slots_kernel_is_the_reference():
+    """Where a step's pairs go in heads with pages of their own (kernels/head_slots.py), through
+    tables and lengths that are views of [B, L, ...] (the head tables' layout), for a decode of 300
+    sequences (more (token, head) pairs than a program takes) and for prompt chunks."""
+    L, B, H, W, bs = 2, 300, 4, 5, 16
+    with torch.device(KERNEL_DEVICE):
+        tables = torch.randperm(2 * B * L * H * W)[:B * L * H * W].view(B, L, H, W).int().transpose(0, 1)
+        lens = torch.randint(3, W * bs + 1, (B, L, H)).int().transpose(0, 1)
+        row_seq, from_end = torch.tensor([0, 0, 0, 7, 299, 299]), torch.tensor([3, 2, 1, 1, 2, 1])
+    assert B * H > SLOTS_BLOCK
+    for extra in ((), (row_seq, from_end)):
+        assert torch.equal(head_slots_triton(tables, lens, bs, *extra), head_slots_ref(tables, lens, bs, *extra))
 
 
 @pytest.mark.parametrize("slots", [1296, MAX_SLOTS] if KERNEL_DEVICE == "cuda" else [80])
