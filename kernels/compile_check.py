@@ -291,9 +291,10 @@ def _head_slots_case() -> None:
     """Where a step's pairs go in heads with pages of their own (kernels/head_slots.py): a decode,
     and prompt chunks."""
     from kernels.head_slots import head_slots_triton
-    tables, lens = torch.zeros(4, 3, 2, 8, 5, dtype=torch.int32).transpose(0, 1), torch.ones(4, 3, 8, dtype=torch.int32)
-    head_slots_triton(tables, lens.transpose(0, 1), 16)
-    head_slots_triton(tables, lens.transpose(0, 1), 16, torch.zeros(6, dtype=torch.long), torch.ones(6, dtype=torch.long))
+    tables = torch.zeros(3, 2, 8, 5, dtype=torch.int32).transpose(0, 1)   # [L, B, H, W] of the head tables' rows
+    lens = torch.ones(3, 2, 8, dtype=torch.int32).transpose(0, 1)
+    head_slots_triton(tables, lens, 16)
+    head_slots_triton(tables, lens, 16, torch.zeros(6, dtype=torch.long), torch.ones(6, dtype=torch.long))
 
 
 def default_cases() -> dict[str, Callable[[], None]]:
