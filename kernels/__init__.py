@@ -155,21 +155,18 @@ def hole_moves(order: torch.Tensor, lens: torch.Tensor, num_leaving: torch.Tenso
 
 def eviction_order(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, pages: torch.Tensor,
                    block_size: int, floor_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """KV-Compress's heads' slots in eviction order, and what giving up each page costs
-    (kernels/eviction_order.py)."""
+    """KV-Compress's heads' slots in eviction order, and their pages' costs (kernels/eviction_order.py)."""
     return _ops(priority).eviction_order(priority, positions, lens, pages, block_size, floor_pages)
 
 
 def lowest(priority: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
-    """The slots of each head's k lowest priorities, ties to the lower position, ascending
-    (kernels/eviction_order.py)."""
+    """Each head's k slots of lowest priority, ties to the lower position (kernels/eviction_order.py)."""
     return _ops(priority).lowest(priority, positions, k)
 
 
 def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int,
            share_cap: torch.Tensor, width: int, moved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """KV-Compress's pages moved out of the blocks given back, the unused ones shared out
-    (kernels/repaging.py)."""
+    """KV-Compress's pages moved out of the blocks given back, the unused shared (kernels/repaging.py)."""
     return _ops(tables).repage(tables, kept, staying, max_moves, num_pages, share_cap, width, moved)
 
 
