@@ -295,10 +295,13 @@ class Evictor:
             return kernels.eviction_order(method.keep_priority(held), held.positions, lens[in_piece, layers],
                                           pages_held[in_piece, layers], bs, method.floor_pages(bs))
 
-        costs = torch.empty(S, L, H, width, device=self.device)
-        for in_piece, layers in pieces:
-            last = ordered(in_piece, layers)
-            costs[in_piece, layers] = last[1]
+        if len(pieces) == 1:   # its costs are all of them (in fp32, as a buffer of several pieces' would be)
+            last = ordered(*pieces[0])
+            costs = last[1].float()
+        else:
+            costs = torch.empty(S, L, H, width, device=self.device)
+            for in_piece, layers in pieces:
+                costs[in_piece, layers] = ordered(in_piece, layers)[1]
         evicted = self._choose_pages(costs, pages_held, on_device["target"], evictions)
         kept_lens = torch.empty_like(lens)
         for in_piece, layers in pieces:
