@@ -34,11 +34,11 @@ import torch
 
 # Shared memory one program may use (the opt-in per-block maximum).
 SHARED_LIMIT = {90: 227 * 1024, 80: 163 * 1024}
-ATTENTION_KERNELS = ("_paged_attention_kernel", "_decode_split_kernel")
+ATTENTION_KERNELS = ("_paged_attention_kernel", "_decode_kernel")
 # Per kernel, the loaded tensors whose address has a row (token or page) times a stride
 # that can pass 2**31 elements: the offset must be built in 64 bits.
 WIDE_ROWS = {"_paged_attention_kernel": ("q", "k", "v"), "_accumulate_key_scores_kernel": ("q", "k"),
-             "_decode_split_kernel": ("k", "v")}
+             "_decode_kernel": ("k", "v")}
 
 
 @dataclass

@@ -15,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention.tiles import (LN2, LOG2E, MIN_BLOCK_M, MIN_SPLIT, check_cache, dot_config, kv_tile,
-                                     load_kv_scales, load_kv_tile, online_softmax_step, slot_pages, split_range)
+from kernels.attention.tiles import (LOG2E, MIN_BLOCK_M, MIN_SPLIT, check_cache, dot_config, finish_split, kv_tile,
+                                     load_kv_scales, load_kv_tile, merged_splits, online_softmax_step, slot_pages,
+                                     split_range, store_result)
 from kernels.kv_store import kernel_view
 
 PREFILL_BLOCK_M = 128   # query rows (tokens x heads of a group) of a tile; MIN_BLOCK_M for short chunks
@@ -96,46 +97,14 @@ def _paged_attention_kernel(
     if SPLIT:
         part_out = part_out_ptr + q_rows[:, None] * stride_pot + head[:, None] * stride_poh + dims[None, :]
         part_lse = part_lse_ptr + q_rows * stride_plt + head * stride_plh
-        tl.store(part_out + split * stride_pos, out, mask=mask)
-        tl.store(part_lse + split, lse, mask=row_valid)
-        # Every thread's partials are written before the count says so (the counter's add is
-        # one thread's, releasing them to the GPU); the last split's loads come after its add.
-        tl.debug_barrier()
         counter = counters_ptr + (seq * tl.num_programs(1) + q_tile) * (tl.num_programs(2) // num_splits) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            out, lse = _merged(part_out, part_lse, row_valid, mask, num_splits, stride_pos, BLOCK_M, HEAD_DIM_PAD)
-            tl.store(counter, 0)                      # for the next launch
-            _store_result(out_ptr, lse_ptr, out, lse, q_rows, head, dims, row_valid, mask,
-                          stride_ot, stride_oh, stride_lt)
+        if finish_split(part_out, part_lse, counter, out, lse, row_valid, mask, split, stride_pos, num_splits):
+            out, lse = merged_splits(part_out, part_lse, counter, row_valid, mask, num_splits, stride_pos,
+                                     BLOCK_M, HEAD_DIM_PAD)
+            store_result(out_ptr, lse_ptr, out, lse, q_rows, head, dims, row_valid, mask,
+                         stride_ot, stride_oh, stride_lt)
     else:
-        _store_result(out_ptr, lse_ptr, out, lse, q_rows, head, dims, row_valid, mask, stride_ot, stride_oh, stride_lt)
-
-
-@triton.jit
-def _merged(part_out, part_lse, row_valid, mask, num_splits, stride_pos, BLOCK_M: tl.constexpr,
-            HEAD_DIM_PAD: tl.constexpr):
-    """The rows' splits combined, in split order: split i's output weighted by exp2(lse_i -
-    lse), its share of the whole denominator; and the whole log2-sum-exp."""
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for i in range(0, num_splits):
-        m = tl.maximum(m, tl.load(part_lse + i, mask=row_valid, other=float("-inf")))
-    m = tl.where(m == float("-inf"), 0.0, m)          # padding rows
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for i in range(0, num_splits):
-        weight = tl.exp2(tl.load(part_lse + i, mask=row_valid, other=float("-inf")) - m)
-        total += weight
-        acc += weight[:, None] * tl.load(part_out + i * stride_pos, mask=mask, other=0.0)
-    total = tl.where(total > 0.0, total, 1.0)
-    return acc / total[:, None], m + tl.log2(total)
-
-
-@triton.jit
-def _store_result(out_ptr, lse_ptr, out, lse, q_rows, head, dims, row_valid, mask, stride_ot, stride_oh, stride_lt):
-    """The rows' output, in out's dtype, and their log-sum-exp, from log2 units to natural."""
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + q_rows * stride_lt + head, lse * LN2, mask=row_valid)
+        store_result(out_ptr, lse_ptr, out, lse, q_rows, head, dims, row_valid, mask, stride_ot, stride_oh, stride_lt)
 
 
 _split_counters: dict[torch.device, torch.Tensor] = {}

@@ -160,6 +160,51 @@ def online_softmax_step(acc, m, l, s, v, v_scale, DOT_PRECISION: tl.constexpr):
     return acc, m_new, l
 
 
+@triton.jit
+def finish_split(part_out, part_lse, counter, out, lse, row_valid, mask, split, stride_pos, num_splits):
+    """Store one split's partial output and log2-sum-exp (part_out, part_lse: its rows' first
+    split's), and count it done in counter: whether it is the last of the rows' num_splits
+    splits to finish. Every thread's partials are written before the count says so (the
+    counter's add is one thread's, releasing them to the GPU), and the last split's loads
+    come after its add, so they see every split's."""
+    tl.store(part_out + split * stride_pos, out, mask=mask)
+    tl.store(part_lse + split, lse, mask=row_valid)
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1
+
+
+@triton.jit
+def merged_splits(part_out, part_lse, counter, row_valid, mask, num_splits, stride_pos, BLOCK_M: tl.constexpr,
+                  HEAD_DIM_PAD: tl.constexpr):
+    """The rows' splits combined by the last to finish (finish_split), in split order, so the
+    bits are the same whichever finishes last: split i's output weighted by exp2(lse_i - lse),
+    its share of the whole denominator; and the whole log2-sum-exp (-inf: no slot in any).
+    The counter goes back to 0 for the next launch."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for i in range(0, num_splits):
+        m = tl.maximum(m, tl.load(part_lse + i, mask=row_valid, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)          # no slot (and padding rows)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for i in range(0, num_splits):
+        weight = tl.exp2(tl.load(part_lse + i, mask=row_valid, other=float("-inf")) - m)
+        total += weight
+        acc += weight[:, None] * tl.load(part_out + i * stride_pos, mask=mask, other=0.0)
+    tl.store(counter, 0)
+    seen = total > 0.0
+    total = tl.where(seen, total, 1.0)
+    return acc / total[:, None], tl.where(seen, m + tl.log2(total), float("-inf"))
+
+
+@triton.jit
+def store_result(out_ptr, lse_ptr, out, lse, row, head, dims, row_valid, mask, stride_o, stride_oh, stride_l):
+    """The rows' output, in out's dtype, at out_ptr[row, head], and their log-sum-exp, from log2
+    units to natural, at lse_ptr[row, head] (row, head [BLOCK_M])."""
+    tl.store(out_ptr + row[:, None] * stride_o + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + row * stride_l + head, lse * LN2, mask=row_valid)
+
+
 def kv_tile(dtype: torch.dtype, quantized: bool = False) -> tuple[int, int]:
     """(BLOCK_N, num_warps) for a loop over key tiles: exact fp32 dots take smaller tiles
     over more warps, else they spill (kernels/compile_check.py); so do the conversions of

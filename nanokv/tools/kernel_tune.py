@@ -109,7 +109,7 @@ def decode_groups():
         for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
             def variant(run=run, rule=rule, block_n=block_n, warps=warps, stages=stages):
                 with mock.patch.object(decode, "decode_tile", lambda dtype, quantized: (block_n, warps)), \
-                        mock.patch.object(decode, "_decode_split_kernel", Staged(decode._decode_split_kernel, stages)):
+                        mock.patch.object(decode, "_decode_kernel", Staged(decode._decode_kernel, stages)):
                     return run(rule)
             yield "decode tiles", label, f"BLOCK_N {block_n} warps {warps} stages {stages}", variant, reference
 
@@ -141,7 +141,7 @@ def prefill_groups():
 def chunk_groups():
     """A 64-token chunk over 1k and 4k (block-wise prefill): query tile x key tile x split count
     together. The prefill groups above vary one at a time around the rule's choice; a tile of
-    fewer query rows makes more programs, so it may want fewer splits (none: no merge launch)."""
+    fewer query rows makes more programs, so it may want fewer splits (one: no partials to merge)."""
     for ctx in (1024, 4096):
         run = prefill_case(64, ctx)
         reference = run(prefill_num_splits(1, 64, HKV, HQ // HKV, torch.bfloat16, ctx, torch.device("cuda")))

@@ -343,8 +343,29 @@ def test_decode_workspace_reuse():
         assert_close(out[live], ref[live], TOL[torch.float16][0], "out")
         expected = dense_attention(q, k_cache, v_cache, tables, cu_seqlens_q, context_lens, 0.125)[2]
         assert_close(scores, expected, SCORE_TOL[torch.float16], "scores")
+    assert not workspace.counters.any(), "every call leaves its counters zero"
     with pytest.raises(ValueError, match="decode workspace holds"):
         paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, 64, workspace=workspace)
+
+
+def test_decode_launches_merge_each_head_once_and_leave_the_counters_zero():
+    """The last of a (sequence, KV head)'s splits merges them in the same launch: launched again
+    and again (on a GPU many heads' splits racing to their counters), every launch gives the
+    first's bits, and leaves every counter zero."""
+    on_gpu = KERNEL_DEVICE == "cuda"
+    lens = [900, 2000, 300, 0, 64] * (16 if on_gpu else 1)
+    Hkv, G, D, block_size, num_splits = 2, 4, 64, 16, 5
+    q, k_cache, v_cache, tables, context_lens = decode_batch(lens, Hkv, G, D, block_size, torch.bfloat16,
+                                                             KERNEL_DEVICE)
+    workspace = decode_workspace(len(lens) * Hkv * G * num_splits, D, KERNEL_DEVICE)
+
+    def launch():
+        return paged_decode_attention_triton(q, k_cache, v_cache, tables, context_lens, 0.125, num_splits,
+                                             return_lse=True, workspace=workspace)
+    first = launch()
+    for _ in range(200 if on_gpu else 1):
+        assert all(torch.equal(a, b) for a, b in zip(launch(), first))
+    assert not workspace.counters.any()
 
 
 def test_decode_splits_follow_each_context():
@@ -368,7 +389,7 @@ def test_decode_splits_follow_each_context():
     # Rows 0 and 5 each have a head with no keys: compare the other head.
     assert_close(out[1:, :G], ref[1:, :G], TOL[torch.float16][0], "out")
     assert_close(out[:-1, G:], ref[:-1, G:], TOL[torch.float16][0], "out")
-    _, partial_lse = workspace.views(len(lens), 2 * G, num_splits, D)
+    _, partial_lse, _ = workspace.views(len(lens), 2 * G, num_splits, D)
     used = (partial_lse[:, ::G] > float("-inf")).sum(dim=-1).T.tolist()   # splits that held slots, per head
     # 2053 slots: cdiv(2053, 8) = 257, a whole number of 64-slot fp16 tiles is 320, so 7 splits
     # (cut from the table's 16384 slots instead, split 0 would hold them all).

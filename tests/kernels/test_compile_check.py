@@ -7,7 +7,7 @@ import pytest
 from kernels import decode_programs_per_sm
 from kernels.compile_check import SHARED_LIMIT, problems, run_in_subprocesses
 
-KERNELS = {"_decode_split_kernel", "_decode_merge_kernel", "_paged_attention_kernel",
+KERNELS = {"_decode_kernel", "_decode_scores_kernel", "_paged_attention_kernel",
            "_accumulate_key_scores_kernel", "_rms_norm_kernel", "_rope_kernel", "_silu_and_mul_kernel",
            "_store_kv_kernel", "_move_slots_kernel", "_repage_kernel", "_hole_count_kernel", "_hole_pack_kernel",
            "_eviction_order_kernel", "_head_slots_kernel"}
@@ -37,7 +37,7 @@ def test_decode_programs_per_sm_holds(compiled):
     head_dim 128 fit in one SM, by shared memory and by registers, for a 16-bit and an 8-bit cache."""
     checked = set()
     for r in compiled:
-        if r.kernel == "_decode_split_kernel" and "fp32" not in r.case and ("128" in r.case or "8b" in r.case):
+        if r.kernel == "_decode_kernel" and "fp32" not in r.case and ("128" in r.case or "8b" in r.case):
             quantized = "int8" in r.case
             resident = decode_programs_per_sm(r.arch // 10, quantized)
             assert resident * (r.shared_bytes + 1024) <= SHARED_PER_SM[r.arch], r
@@ -50,9 +50,9 @@ def test_decode_programs_per_sm_holds(compiled):
 def test_problems_are_reported():
     """The checks themselves: a spill, too much shared memory, a single K/V buffer, 32-bit rows."""
     from kernels.compile_check import CompiledKernel, _narrow_rows
-    fine = CompiledKernel("decode, bf16", "_decode_split_kernel", 90, 96, 0, 72 * 1024, 4, 3, 2, [])
+    fine = CompiledKernel("decode, bf16", "_decode_kernel", 90, 96, 0, 72 * 1024, 4, 3, 2, [])
     assert problems(fine) == []
-    bad = CompiledKernel("decode, bf16", "_decode_split_kernel", 80, 255, 8, 200 * 1024, 4, 3, 1, ["k"])
+    bad = CompiledKernel("decode, bf16", "_decode_kernel", 80, 255, 8, 200 * 1024, 4, 3, 1, ["k"])
     assert len(problems(bad)) == 4
     ttir = ("%q_67 = tt.addptr %q_66, %q_65 : tensor<64x1x!tt.ptr<bf16>>, tensor<64x1xi32>\n"
             "%k_36 = tt.addptr %k_35, %k_34 : tensor<64x1x!tt.ptr<bf16>>, tensor<64x1xi64>")
