@@ -13,7 +13,6 @@ place that knows which backend runs: the engine asks the questions below
 """
 from __future__ import annotations
 
-import functools
 import os
 from typing import Callable, NamedTuple
 
@@ -21,19 +20,22 @@ import torch
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention.cpu import StepPlan, make_plan, paged_attention_cpu
-from kernels.attention.decode import (MIN_SPLIT, DecodeWorkspace, decode_workspace, logits_scratch as _logits_scratch,
+from kernels.attention.decode import (DecodeWorkspace, decode_workspace, logits_scratch as _logits_scratch,
                                       paged_decode_attention_triton)
 from kernels.attention.key_scores import accumulate_key_scores_ref, accumulate_key_scores_triton
-from kernels.attention.prefill import PREFILL_BLOCK_M, paged_attention_triton, prefill_tiles
+from kernels.attention.prefill import PREFILL_BLOCK_M, paged_attention_triton
 from kernels.attention.reference import paged_attention_ref
+from kernels.attention.splits import (DECODE_WAVES, decode_num_splits, decode_partials, decode_programs_per_sm,
+                                      decode_wave, prefill_num_splits, prefill_wave, split_count)
 from kernels.compact import move_slots_ref, move_slots_triton
-from kernels.eviction_order import eviction_order_ref, eviction_order_triton, lowest_ref, lowest_triton
+from kernels.eviction_order import Protected, eviction_order_ref, eviction_order_triton, lowest_ref, lowest_triton
 from kernels.head_slots import head_slots_ref, head_slots_triton
 from kernels.hole_filling import hole_moves_ref, hole_moves_triton
 from kernels.kv_store import QUANT_MAX, dequantize, store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.linear_cpu import PackedLinear, can_prepack, prepack_linears
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
+from kernels.page_choice import choose_pages_ref, choose_pages_triton
 from kernels.repaging import repage_ref, repage_triton
 from kernels.rope import QKNorms, apply_rope_ref, apply_rope_triton, long_rope_rows, rope_cos_sin_cache
 from kernels.rope_cpu import apply_rope_cpu
@@ -54,17 +56,18 @@ class Ops(NamedTuple):
     repage: Callable
     eviction_order: Callable
     lowest: Callable
+    choose_pages: Callable
     head_slots: Callable
 
 
 _OPS = {
     "torch": Ops(silu_and_mul_ref, store_kv_ref, rms_norm_ref, add_rms_norm_ref, apply_rope_ref, move_slots_ref,
-                 hole_moves_ref, repage_ref, eviction_order_ref, lowest_ref, head_slots_ref),
+                 hole_moves_ref, repage_ref, eviction_order_ref, lowest_ref, choose_pages_ref, head_slots_ref),
     "cpu": Ops(silu_and_mul_ref, store_kv_cpu, rms_norm_ref, add_rms_norm_ref, apply_rope_cpu, move_slots_ref,
-               hole_moves_ref, repage_ref, eviction_order_ref, lowest_ref, head_slots_ref),
+               hole_moves_ref, repage_ref, eviction_order_ref, lowest_ref, choose_pages_ref, head_slots_ref),
     "triton": Ops(silu_and_mul_triton, store_kv_triton, rms_norm_triton, add_rms_norm_triton, apply_rope_triton,
                   move_slots_triton, hole_moves_triton, repage_triton, eviction_order_triton, lowest_triton,
-                  head_slots_triton),
+                  choose_pages_triton, head_slots_triton),
 }
 _forced: str | None = None
 
@@ -154,14 +157,19 @@ def hole_moves(order: torch.Tensor, lens: torch.Tensor, num_leaving: torch.Tenso
 
 
 def eviction_order(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, pages: torch.Tensor,
-                   block_size: int, floor_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   block_size: int, floor_pages: int, protected: Protected | None = None):
     """KV-Compress's heads' slots in eviction order, and their pages' costs (kernels/eviction_order.py)."""
-    return _ops(priority).eviction_order(priority, positions, lens, pages, block_size, floor_pages)
+    return _ops(priority).eviction_order(priority, positions, lens, pages, block_size, floor_pages, protected)
 
 
-def lowest(priority: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+def lowest(priority: torch.Tensor, positions: torch.Tensor, k: int, protected: Protected | None = None):
     """Each head's k slots of lowest priority, ties to the lower position (kernels/eviction_order.py)."""
-    return _ops(priority).lowest(priority, positions, k)
+    return _ops(priority).lowest(priority, positions, k, protected)
+
+
+def choose_pages(costs: torch.Tensor, pages: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """KV-Compress's pages each head gives up, the cheapest of a sequence's (kernels/page_choice.py)."""
+    return _ops(costs).choose_pages(costs, pages, target)
 
 
 def repage(tables: torch.Tensor, kept: torch.Tensor, staying: torch.Tensor, max_moves: int, num_pages: int,
@@ -183,89 +191,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_si
     _ops(q).apply_rope(q, k, positions, cos_sin, norms)
 
 
-# ----- flash-decoding's launch and scratch -------------------------------------------------
-
-# A launch is split so that its programs fill their last wave on the GPU (a wave: the programs
-# its SMs hold at once). On an H200, in every decode and prefill case timed, the fewest splits
-# that filled the last wave to 90% ran within 2% of the fastest count, and a last wave under a
-# third full cost 13-19% more (docs/PERF.md, the sixth run).
-DECODE_WAVES = 4    # a decode launch is split into at most this many waves
-FULL_WAVE = 0.9
-CPU_WAVE = 4        # the interpreter's "wave" on a CPU: a few programs, so tests see several splits
-
-
-def decode_programs_per_sm(capability_major: int, quantized: bool = False) -> int:
-    """Flash-decoding programs at head_dim 128 that one SM holds at once (kernels/compile_check.py).
-    A 16-bit cache's double-buffered K/V tiles take ~72 KB of shared memory: 3 to an H100's SM
-    (228 KB), 2 to an A100's (164 KB). An 8-bit cache's program (2 warps) takes ~250 registers a
-    thread and ~41 KB: 4 to an H100's SM (its 64K registers), 3 to an A100's."""
-    hopper = capability_major >= 9
-    if quantized:
-        return 4 if hopper else 3
-    return 3 if hopper else 2
-
-
-@functools.cache
-def decode_wave(device: torch.device, quantized: bool = False) -> int:
-    """The flash-decoding programs device runs at once."""
-    if device.type != "cuda":
-        return CPU_WAVE
-    gpu = torch.cuda.get_device_properties(device)
-    return decode_programs_per_sm(gpu.major, quantized) * gpu.multi_processor_count
-
-
-def split_count(batch_size: int, num_kv_heads: int, max_context_len: int, wave: int, max_waves: int = 1) -> int:
-    """Splits per (sequence or query tile, KV head) of a launch on a GPU that runs `wave` programs
-    at once: the fewest that fill the last wave to FULL_WAVE (more only add partial results to
-    merge); where none does, those that fill it most, the most of them among equals (shorter
-    programs: a shorter tail). No more than max_waves waves of programs need, nor than a context
-    of max_context_len can use (a split holds at least MIN_SPLIT slots). Decode on an H200
-    (wave 396) with 8 KV heads, context 4k: 16 splits at batch 1, 3 at batch 16 and 64."""
-    tasks = batch_size * num_kv_heads
-    most = max(1, min(-(-max_waves * wave // tasks), -(-max_context_len // MIN_SPLIT)))
-    return _fullest_last_wave(tasks, wave, most)
-
-
-@functools.cache
-def _fullest_last_wave(tasks: int, wave: int, most: int) -> int:
-    def last_wave_full(splits: int) -> float:   # the programs over the slots of the waves they take
-        programs = tasks * splits
-        return programs / (wave * -(-programs // wave))
-    candidates = range(1, most + 1)
-    return next((s for s in candidates if last_wave_full(s) >= FULL_WAVE),
-                max(reversed(candidates), key=last_wave_full))
-
-
-def decode_num_splits(batch_size: int, num_kv_heads: int, max_context_len: int, device: torch.device,
-                      quantized: bool = False) -> int:
-    """split_count for device's GPU, up to DECODE_WAVES waves. Depends on shapes only, so CUDA
-    graphs (which pass max_model_len) and eager steps of one batch size compile and launch
-    alike. An eager step's bound can be lower (its longest context: fewer splits) or higher (a
-    head whose own pages reach past max_model_len, kvcompress), so at long contexts graphed and
-    eager steps can sum their splits in another order: equal up to the last bits."""
-    return split_count(batch_size, num_kv_heads, max_context_len, decode_wave(device, quantized), DECODE_WAVES)
-
-
-@functools.cache
-def prefill_wave(device: torch.device) -> int:
-    """The prefill kernel's programs device runs at once: one per SM. A program holds a whole
-    query tile, and each split writes its tile's partial output in fp32 for the merge; on an
-    H200 a 64-token chunk over a 4k context ran fastest in 8 splits (16 tiles x heads: 128
-    programs), 1.4x faster than in 16 (docs/PERF.md)."""
-    if device.type != "cuda":
-        return CPU_WAVE
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def prefill_num_splits(num_seqs: int, max_query_len: int, num_kv_heads: int, group: int, dtype: torch.dtype,
-                       max_context_len: int, device: torch.device, quantized: bool = False) -> int:
-    """Splits per (sequence, KV head) of the prefill kernel's contexts: split_count over the
-    batch's query tiles, up to one wave, so a few short chunks over long contexts (block-wise
-    prefill) fill the GPU's SMs, and a long prefill takes one."""
-    block_q = prefill_tiles(dtype, max_query_len, group, quantized)[0] // group
-    tiles = num_seqs * -(-max_query_len // block_q)
-    return split_count(tiles, num_kv_heads, max_context_len, prefill_wave(device))
-
+# ----- attention's scratch: flash-decoding's and a split prefill's ---------------------------
 
 def prefill_split_bytes(head_dim: int, device: torch.device) -> int:
     """The most a split prefill's fp32 partial results take: splits > 1 only while tiles x Hkv
@@ -274,13 +200,6 @@ def prefill_split_bytes(head_dim: int, device: torch.device) -> int:
     if backend(device) != "triton":
         return 0
     return 2 * PREFILL_BLOCK_M * prefill_wave(device) * (head_dim + 1) * 4
-
-
-def decode_partials(max_num_seqs: int, num_kv_heads: int, device: torch.device, quantized: bool = False) -> int:
-    """The most (sequence, split) pairs a flash-decoding call of up to max_num_seqs sequences
-    uses on device, whatever their contexts: unbounded contexts take the most splits, so no
-    bound is needed, and it is under DECODE_WAVES x decode_wave / Hkv + max_num_seqs."""
-    return max(b * decode_num_splits(b, num_kv_heads, 2**62, device, quantized) for b in range(1, max_num_seqs + 1))
 
 
 def decode_workspace_for(max_num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -389,11 +308,11 @@ def paged_attention(q, k_cache, v_cache, page_tables, cu_seqlens_q, context_lens
     return out
 
 
-__all__ = ["BACKENDS", "DecodeWorkspace", "PackedLinear", "QKNorms", "QUANT_MAX", "StepPlan", "add_rms_norm",
-           "apply_rope", "backend", "can_prepack", "captures_graphs", "check_device", "decode_num_splits",
-           "decode_partials", "decode_wave", "decode_workspace_for", "dequantize", "eviction_order", "forced_backend",
-           "from_host", "from_host_many", "head_slots", "hole_moves", "logits_scratch", "long_rope_rows", "lowest",
-           "move_pages", "move_slots", "pack_arrays", "packs_weights", "paged_attention", "plan_step",
-           "prefill_num_splits", "prefill_split_bytes", "prefill_wave", "prepack_linears", "repage", "rms_norm",
-           "rope_cos_sin_cache", "scratch_bytes_per_slot", "set_backend", "silu_and_mul", "split_count", "store_kv",
-           "to_host"]
+__all__ = ["BACKENDS", "DECODE_WAVES", "DecodeWorkspace", "PackedLinear", "Protected", "QKNorms", "QUANT_MAX",
+           "StepPlan", "add_rms_norm", "apply_rope", "backend", "can_prepack", "captures_graphs", "check_device",
+           "choose_pages", "decode_num_splits", "decode_partials", "decode_programs_per_sm", "decode_wave",
+           "decode_workspace_for", "dequantize", "eviction_order", "forced_backend", "from_host", "from_host_many",
+           "head_slots", "hole_moves", "logits_scratch", "long_rope_rows", "lowest", "move_pages", "move_slots",
+           "pack_arrays", "packs_weights", "paged_attention", "plan_step", "prefill_num_splits", "prefill_split_bytes",
+           "prefill_wave", "prepack_linears", "repage", "rms_norm", "rope_cos_sin_cache", "scratch_bytes_per_slot",
+           "set_backend", "silu_and_mul", "split_count", "store_kv", "to_host"]

@@ -281,9 +281,19 @@ def _holes_case() -> None:
 def _eviction_order_case(slots: int) -> Callable[[], None]:
     """KV-Compress's eviction order over heads of `slots` slots (kernels/eviction_order.py)."""
     def run():
-        from kernels.eviction_order import eviction_order_triton
+        from kernels.eviction_order import Protected, eviction_order_triton
         heads = torch.zeros(2, 3, 4, dtype=torch.int32)
-        eviction_order_triton(torch.zeros(2, 3, 4, slots), heads, heads, heads, 16, 1)
+        eviction_order_triton(torch.zeros(2, 3, 4, slots), heads, heads, heads, 16, 1,
+                              Protected(4, 64, torch.zeros(2, dtype=torch.long)))
+    return run
+
+
+def _page_choice_case(pages: int) -> Callable[[], None]:
+    """KV-Compress's page choice over a sequence's heads of `pages` pages (kernels/page_choice.py)."""
+    def run():
+        from kernels.page_choice import choose_pages_triton
+        choose_pages_triton(torch.zeros(2, 28, 8, pages), torch.zeros(2, 28, 8, dtype=torch.int32),
+                            torch.zeros(2, dtype=torch.long))
     return run
 
 
@@ -348,6 +358,8 @@ def default_cases() -> dict[str, Callable[[], None]]:
     cases["head slots"] = _head_slots_case
     for slots in (1024, 4096):   # the smallest sort (4 warps) and the largest (16, MAX_SLOTS)
         cases[f"eviction order, {slots} slots"] = _eviction_order_case(slots)
+    for pages in (36, 2048):   # Qwen3-0.6B's heads at |kv| 512; the most a program takes (ELEMENTS)
+        cases[f"page choice, {pages} pages"] = _page_choice_case(pages)
     return cases
 
 

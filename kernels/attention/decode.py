@@ -274,9 +274,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     if scores:
         square, skip = square_scores is not None, score_skip is not None
         _decode_scores_kernel[(B, Hkv, num_splits)](
-            lse, logits, score_cache, page_tables, context_lens, score_from,
-            square_scores if square else score_from, *((score_skip, positions, pos_cache) if skip else (score_from,) * 3),
-            num_splits, lse.stride(0), *logits.stride()[:2], score_cache.stride(0), *table_strides,
+            lse, logits, score_cache, page_tables, context_lens, score_from, square_scores if square else score_from,
+            *((score_skip, positions, pos_cache) if skip else (score_from,) * 3), num_splits, lse.stride(0), *logits.stride()[:2], score_cache.stride(0), *table_strides,
             pos_cache.stride(0) if skip else 0,
             BLOCK_SIZE=block_size, G=G, G_PAD=triton.next_power_of_2(G), BLOCK_N=block_n, MIN_SPLIT=MIN_SPLIT,
             SQUARE=square, SKIP=skip, num_warps=num_warps)

@@ -31,7 +31,7 @@ from nanokv.engine.press_window import PressWindow
 from nanokv.engine.scheduler import Eviction
 from nanokv.engine.sequence import Sequence
 from nanokv.eviction import HeldPairs, KVMethod
-from nanokv.eviction.pages import choose_pages, held_pages
+from nanokv.eviction.pages import held_pages
 
 PIECE_BYTES = 256 * 2**20
 PIECE_SHARE = 64   # on a GPU a piece may take 1/64 of its memory, if that is more than PIECE_BYTES
@@ -221,7 +221,9 @@ class Evictor:
         """[S, L, H, num_evicted] ascending slot indices each head drops of its first num_slots (of
         the model's layers `layers`), by the sequences' common rule: the lowest priorities, ties by position."""
         held = self._held(seqs, tables, current, num_slots, num_evicted=num_evicted, layers=layers)
-        return kernels.lowest(seqs[0].method.keep_priority(held), held.positions, num_evicted)
+        method = seqs[0].method
+        return kernels.lowest(method.ranking.keep_priority(held), held.positions, num_evicted,
+                              method.protected(current))
 
     def _own_host(self, seqs: list[Sequence], num_slots: list[int]) -> dict[str, np.ndarray]:
         """The host's part of uneven sequences' own pages when each holds its num_slots slots (per
@@ -292,8 +294,9 @@ class Evictor:
         def ordered(in_piece: slice, layers: slice) -> tuple[torch.Tensor, torch.Tensor]:   # order, costs
             held = self._held(seqs[in_piece], tables[in_piece, layers], on_device["current"][in_piece], n,
                               lens[in_piece, layers], layers=layers, num_kept=num_kept[in_piece])
-            return kernels.eviction_order(method.keep_priority(held), held.positions, lens[in_piece, layers],
-                                          pages_held[in_piece, layers], bs, method.floor_pages(bs))
+            return kernels.eviction_order(method.ranking.keep_priority(held), held.positions, lens[in_piece, layers],
+                                          pages_held[in_piece, layers], bs, method.floor_pages(bs),
+                                          method.protected(on_device["current"][in_piece]))
 
         if len(pieces) == 1:   # its costs are all of them (in fp32, as a buffer of several pieces' would be)
             last = ordered(*pieces[0])
@@ -347,19 +350,20 @@ class Evictor:
         needs more of them: each eviction's num_blocks_kept grows to what its fullest rank needs,
         with the room for new pairs per head that one rank would have."""
         shard = self.shard
+        if shard.size == 1:
+            return kernels.choose_pages(costs, pages, target)
         width = shard.max(costs.shape[-1], self.device)   # the ranks' page tables may be of other widths
         mine = torch.cat([torch.nn.functional.pad(costs, (0, width - costs.shape[-1]), value=float("inf")),
                           pages[..., None].to(costs.dtype)], dim=-1)
-        every = shard.all_heads(mine.double() if shard.size > 1 else mine)   # counts stay exact in float64
+        every = shard.all_heads(mine.double())   # the pages' counts stay exact in float64
         held = every[..., -1].long()
         S, L, num_heads = held.shape
-        evicted = choose_pages(every[..., :-1], (held.flatten(1).sum(1) - target).clamp(min=0))
-        if shard.size > 1:
-            kept, local = held - evicted, costs.shape[2]
-            fullest = -(-kept.view(S, L, num_heads // local, local).sum((1, 3)) // (L * local))   # [S, parts]
-            extra = fullest.amax(1) - -(-kept.flatten(1).sum(1) // (L * num_heads))
-            for e, more in zip(evictions, extra.tolist()):
-                e.num_blocks_kept = min(e.num_blocks_kept + more, len(e.seq.block_table.ids))
+        evicted = kernels.choose_pages(every[..., :-1], held, target)
+        kept, local = held - evicted, costs.shape[2]
+        fullest = -(-kept.view(S, L, num_heads // local, local).sum((1, 3)) // (L * local))   # [S, parts]
+        extra = fullest.amax(1) - -(-kept.flatten(1).sum(1) // (L * num_heads))
+        for e, more in zip(evictions, extra.tolist()):
+            e.num_blocks_kept = min(e.num_blocks_kept + more, len(e.seq.block_table.ids))
         return evicted[:, :, shard.own_heads(num_heads)]
 
     def kept_positions(self, seq: Sequence) -> torch.Tensor:

@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from nanokv.eviction.rankings import HeldPairs, Ranking
+from kernels import Protected
+from nanokv.eviction.rankings import Ranking
 from nanokv.eviction.schedules import Progress, Schedule
 
 NO_QUERY = 2**31 - 1   # score_from of a chunk none of whose queries counts
@@ -73,11 +74,8 @@ class KVMethod:
         """The fewest pages a head of an uneven method keeps: its protected pairs', at least one."""
         return max(-(-(self.sinks + self.recent) // block_size), 1)
 
-    def keep_priority(self, held: HeldPairs) -> torch.Tensor:
-        """[..., L, H, n] priorities, the lowest evicted first; protected pairs get +inf: the
-        sinks (the first positions) and the `recent` most recent, the positions after
-        current - recent (every one of them is held: none was ever evicted). The slots past a
-        head's own pairs (held.lens) hold none: whatever they get here, kernels.eviction_order puts them first."""
-        priority = self.ranking.keep_priority(held)   # not cast: float64 key norms keep their precision
-        protected = (held.positions < self.sinks) | (held.positions > held.current - self.recent)
-        return priority.masked_fill(protected, float("inf"))
+    def protected(self, current: torch.Tensor) -> Protected:
+        """The pairs its evictions never take, whatever the ranking's priority: the sinks (the
+        first positions) and the `recent` most recent, the positions after current [S] - recent
+        (every one of them is held: none was ever evicted)."""
+        return Protected(self.sinks, self.recent, current)

@@ -3,7 +3,7 @@
 A ranking turns what a sequence holds (HeldPairs, read from the cache at
 eviction time) into a keep priority per pair: the lowest go first. It knows
 nothing of when eviction happens (schedules.py) nor of the protected sinks
-and recent pairs (method.py applies those).
+and recent pairs (method.py names them, the selections apply them: kernels/eviction_order.py).
 Scores are summed over the query heads of a KV head's group by the attention
 kernels (kernels/attention/key_scores.py, kernels/attention/decode.py).
 """

@@ -26,9 +26,10 @@ from kernels import decode_num_splits, decode_workspace_for, prefill_num_splits
 from kernels.activation import silu_and_mul_triton
 from kernels.attention.decode import decode_workspace, paged_decode_attention_triton
 from kernels.attention.prefill import paged_attention_triton
-from kernels.eviction_order import eviction_order_ref, eviction_order_triton, lowest_ref, lowest_triton
+from kernels.eviction_order import Protected, eviction_order_ref, eviction_order_triton, lowest_ref, lowest_triton
 from kernels.kv_store import quantize
 from kernels.norm import rms_norm_triton
+from kernels.page_choice import choose_pages_ref, choose_pages_triton
 from kernels.rope import QKNorms, apply_rope_triton, rope_cos_sin_cache
 from models import AttentionMetadata, KVCache
 from models.loader import load_model
@@ -191,20 +192,29 @@ def elementwise_table(records: list[dict]) -> list[str]:
 
 def bench_eviction() -> list[dict]:
     """An eviction piece's selection, the Triton kernel against the torch reference: KV-Compress's
-    order over 10 sequences of the Qwen3-0.6B shape (28 layers x 8 KV heads, the widest 1,152 slots),
-    and batchmax's 64 of |kv| 1024 + 64 over 8 sequences of the Llama-3.1-8B shape's 32 x 8 heads."""
+    order over 10 sequences of the Qwen3-0.6B shape (28 layers x 8 KV heads, the widest 1,152 slots)
+    and its choice of a quarter of their 72 pages a head, and batchmax's 64 of |kv| 1024 + 64 over 8
+    sequences of the Llama-3.1-8B shape's 32 x 8 heads, each sequence's sinks and recent pairs
+    protected."""
     records = []
     for heads, n, k in ((2240, 1152, 0), (2048, 1088, 64)):
         priority = torch.rand(heads, n, device="cuda")
         positions = torch.rand(heads, n, device="cuda").argsort(-1).int()
         lens = torch.randint(n // 2, n + 1, (heads,), device="cuda", dtype=torch.int32)
         pages = (lens + 15) // 16
-        op, args = (f"lowest {k}", (priority, positions, k)) if k else \
-            ("eviction order", (priority, positions, lens, pages, 16, 1))
+        protected = Protected(4, 32, torch.full((heads,), n, device="cuda"))   # a sequence a head
+        op, args = (f"lowest {k}", (priority, positions, k, protected)) if k else \
+            ("eviction order", (priority, positions, lens, pages, 16, 1, protected))
         for impl, fn in ((("kernel", lowest_triton), ("torch", lowest_ref)) if k else
                          (("kernel", eviction_order_triton), ("torch", eviction_order_ref))):
             records.append(dict(kind="eviction", op=op, shape=f"{heads} heads x {n} slots", impl=impl,
                                 us=ms(lambda: fn(*args)) * 1e3))
+    costs = torch.rand(10, 28, 8, 72, device="cuda").sort(-1).values
+    pages = torch.full((10, 28, 8), 72, dtype=torch.int32, device="cuda")
+    target = torch.full((10,), 28 * 8 * 54, device="cuda")
+    for impl, fn in (("kernel", choose_pages_triton), ("torch", choose_pages_ref)):
+        records.append(dict(kind="eviction", op="page choice", shape="10 x 224 heads x 72 pages", impl=impl,
+                            us=ms(lambda: fn(costs, pages, target)) * 1e3))
     return records
 
 

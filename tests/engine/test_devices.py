@@ -10,6 +10,7 @@ import torch
 
 import kernels
 from helpers import VOCAB
+from kernels.attention import splits
 from kernels.attention.decode import MIN_SPLIT
 from nanokv import LLM, SamplingParams
 from nanokv.engine import evict, memory, runner
@@ -97,7 +98,7 @@ def test_the_decode_workspace_holds_every_split_count_a_gpu_asks_for(monkeypatch
     uneven method's wide head can push past it (here 2112 of 2048 tokens: 44 decodes x 9
     splits on an H100 with Hkv 2, more than the 392 a workspace sized for 2048 would hold). The
     workspace is sized for any context."""
-    monkeypatch.setattr(kernels, "decode_wave", lambda device, quantized=False: H100_WAVE)
+    monkeypatch.setattr(splits, "decode_wave", lambda device, quantized=False: H100_WAVE)
     gpu = torch.device("cuda", 0)
     sized_for_2048 = max(b * kernels.decode_num_splits(b, 2, 2048, gpu) for b in range(1, 65))
     assert sized_for_2048 == 392 and 44 * kernels.decode_num_splits(44, 2, 2112, gpu) == 396
@@ -203,8 +204,8 @@ def test_the_split_counts_are_the_fastest_timed_on_an_h200(monkeypatch):
     class H200:
         major, multi_processor_count = 9, 132
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H200())
-    for cached in (kernels.decode_wave, kernels.prefill_wave):   # fresh caches: cuda:0 is an H200 only here
-        monkeypatch.setattr(kernels, cached.__name__, functools.cache(cached.__wrapped__))
+    for cached in (splits.decode_wave, splits.prefill_wave):   # fresh caches: cuda:0 is an H200 only here
+        monkeypatch.setattr(splits, cached.__name__, functools.cache(cached.__wrapped__))
     gpu = torch.device("cuda", 0)
     picked = {case: kernels.decode_num_splits(batch, 8, context, gpu, quantized=cache == "int8")
               for case in DECODE_TIMED for cache, batch, context in [case]}

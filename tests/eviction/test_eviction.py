@@ -8,6 +8,7 @@ from kernels.compact import move_slots_ref, move_slots_triton
 from kernels.eviction_order import eviction_order_ref, eviction_order_triton, lowest_ref, lowest_triton
 from kernels.head_slots import head_slots_ref, head_slots_triton
 from kernels.hole_filling import hole_moves_ref, hole_moves_triton
+from kernels.page_choice import choose_pages_ref, choose_pages_triton
 from kernels.repaging import repage_ref, repage_triton
 from nanokv import LLM, SamplingParams
 from nanokv.config import EngineConfig
@@ -185,9 +186,10 @@ def test_the_moves_an_eviction_makes_are_the_triton_kernel_s_too(tiny_dir, monke
                                                     ("hole_moves", hole_moves_ref, hole_moves_triton),
                                                     ("eviction_order", eviction_order_ref, eviction_order_triton),
                                                     ("lowest", lowest_ref, lowest_triton),
+                                                    ("choose_pages", choose_pages_ref, choose_pages_triton),
                                                     ("head_slots", head_slots_ref, head_slots_triton)])
 def test_eviction_surgery_is_the_triton_kernels_too(tiny_dir, monkeypatch, op, reference, kernel):
-    """Every eviction order and repage of kvcompress's evictions, every selection of batchmax's,
+    """Every eviction order, page choice and repage of kvcompress's evictions, every selection of batchmax's,
     every set of hole-filling moves (kvcompress's and batchmax's) and the slots of every step's
     pairs in heads with pages of their own, made on the CPU backend (the reference), is made again
     by the Triton kernels in the interpreter: the same results and the same counts written in

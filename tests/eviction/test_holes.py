@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import KERNEL_DEVICE
-from kernels.eviction_order import lowest_ref as lowest, lowest_triton
+from kernels.eviction_order import Protected, lowest_ref as lowest, lowest_triton
 from kernels.hole_filling import hole_moves_ref
 
 
@@ -32,15 +32,24 @@ def test_lowest_is_the_sorted_choice_with_ties_by_position(dtype):
 
 def test_lowest_on_the_triton_path_is_the_partial_selection():
     """kernels.lowest on the Triton path (the eviction order's first k, every slot held): the
-    reference's slots, ties and protected pairs among them; heads of 7 and 40 slots in the
+    reference's slots, ties and +inf among them, with and without protected pairs (none evicted);
+    heads of 7 and 40 slots in the
     interpreter (its sort takes seconds at hundreds), of 300 and 1,296 on a GPU."""
     g = torch.Generator().manual_seed(2)
     for n, k in ((300, 64), (1296, 1000)) if KERNEL_DEVICE == "cuda" else ((7, 3), (40, 39)):
         positions = torch.stack([torch.randperm(2 * n, generator=g)[:n] for _ in range(4)]).view(2, 2, n).int()
         ties = torch.randint(0, 4, (2, 2, n), generator=g).float()
+        current = torch.tensor([2 * n, 2 * n + 1])   # positions < 2n: at most 4 protected a head
         for priority in (ties, torch.rand(2, 2, n, generator=g), ties.masked_fill(ties == 3, float("inf"))):
             got = lowest_triton(priority.to(KERNEL_DEVICE), positions.to(KERNEL_DEVICE), k).cpu()
             assert torch.equal(got, lowest(priority, positions, k)), (n, k)
+        protected = Protected(2, 3, current)   # the first 2 positions and those after current - 3
+        if k <= n - 4:
+            got = lowest_triton(ties.to(KERNEL_DEVICE), positions.to(KERNEL_DEVICE), k,
+                                protected._replace(current=current.to(KERNEL_DEVICE))).cpu()
+            assert torch.equal(got, lowest(ties, positions, k, protected)), (n, k)
+            evicted = positions.gather(-1, got)
+            assert ((evicted >= 2) & (evicted <= current.view(2, 1, 1) - 3)).all()
 
 
 def test_hole_moves_write_at_most_k_slots_and_keep_every_survivor():

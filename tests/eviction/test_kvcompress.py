@@ -20,8 +20,9 @@ import torch
 import kernels
 from kernels.eviction_order import eviction_order_ref, eviction_order_triton
 from kernels.hole_filling import hole_moves_ref, hole_moves_triton
+from kernels.page_choice import choose_pages_ref, choose_pages_triton
 from kernels.repaging import repage_ref, repage_triton
-from nanokv.eviction.pages import choose_pages, held_pages
+from nanokv.eviction.pages import held_pages
 from helpers import KERNEL_DEVICE
 from oracle import BLOCK, differences, distinct_prompt as prompt, engine
 
@@ -65,13 +66,14 @@ def on_kernel_device(kernel):
     return run
 
 
-KERNELS = [pytest.param(eviction_order_ref, hole_moves_ref, id="reference"),
-           pytest.param(on_kernel_device(eviction_order_triton), on_kernel_device(hole_moves_triton), id="triton")]
+KERNELS = [pytest.param(eviction_order_ref, choose_pages_ref, hole_moves_ref, id="reference"),
+           pytest.param(*map(on_kernel_device, (eviction_order_triton, choose_pages_triton, hole_moves_triton)),
+                        id="triton")]
 
 
-@pytest.mark.parametrize("eviction_order, hole_moves", KERNELS)
+@pytest.mark.parametrize("eviction_order, choose_pages, hole_moves", KERNELS)
 @pytest.mark.parametrize("seed", range(6))
-def test_page_eviction_takes_the_cheapest_pages_across_heads(seed, eviction_order, hole_moves):
+def test_page_eviction_takes_the_cheapest_pages_across_heads(seed, eviction_order, choose_pages, hole_moves):
     g = torch.Generator().manual_seed(seed)
     L, H, bs, width = 3, 2, 4, 6
     n = width * bs
@@ -84,7 +86,7 @@ def test_page_eviction_takes_the_cheapest_pages_across_heads(seed, eviction_orde
     positions = torch.arange(n).expand(L, H, -1)   # ties by position: by slot, as the greedy oracle breaks them
     pages = held_pages(lens, bs)
     order, costs = eviction_order(priority, positions.int(), lens, pages, bs, floor)
-    evicted = choose_pages(costs, num_pages)
+    evicted = choose_pages(costs[None], pages[None], pages.sum().view(1) - num_pages)[0]
     expected_evicted, expected_kept = greedy_page_eviction(priority, lens, num_pages, bs, floor)
     assert torch.equal(evicted, expected_evicted)
     counts = torch.zeros(2, dtype=torch.int64)

@@ -205,7 +205,7 @@ def test_prefill_splits_fill_the_gpu_where_the_batch_does_not():
     chunks over long contexts take as many as give each SM a program, each of MIN_SPLIT slots at least."""
     gpu = torch.device("cuda", 0)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "prefill_wave", lambda device: 132)
+        mp.setattr("kernels.attention.splits.prefill_wave", lambda device: 132)
         splits = lambda seqs, q_len, ctx: kernels.prefill_num_splits(seqs, q_len, 8, 4, torch.bfloat16, ctx, gpu)
         assert splits(1, 4096, 4096) == 1                    # 128 query tiles x 8 heads: enough
         assert splits(1, 64, 4096) == 8                      # 2 tiles x 8 heads: 8 splits make 128 programs
@@ -470,7 +470,7 @@ def test_a_step_of_short_chunks_over_long_contexts_splits_them(monkeypatch):
     width = 40
     k_cache, v_cache = make_cache(len(chunks) * Hkv * width, block_size, D, torch.float32, KERNEL_DEVICE)
     tables = scattered_tables(context_lens, block_size, len(k_cache), width)
-    monkeypatch.setattr(kernels, "prefill_wave", lambda device: 132)   # an H100's SMs
+    monkeypatch.setattr("kernels.attention.splits.prefill_wave", lambda device: 132)   # an H100's SMs
     splits = []
     real_prefill = kernels.paged_attention_triton
     monkeypatch.setattr(kernels, "paged_attention_triton",

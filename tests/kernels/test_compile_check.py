@@ -10,7 +10,7 @@ from kernels.compile_check import SHARED_LIMIT, problems, run_in_subprocesses
 KERNELS = {"_decode_kernel", "_decode_scores_kernel", "_paged_attention_kernel",
            "_accumulate_key_scores_kernel", "_rms_norm_kernel", "_rope_kernel", "_silu_and_mul_kernel",
            "_store_kv_kernel", "_move_slots_kernel", "_repage_kernel", "_hole_count_kernel", "_hole_pack_kernel",
-           "_eviction_order_kernel", "_head_slots_kernel"}
+           "_eviction_order_kernel", "_choose_pages_kernel", "_head_slots_kernel"}
 SHARED_PER_SM = {90: 228 * 1024, 80: 164 * 1024}   # an SM's shared memory; 1 KB of it per program is reserved
 REGISTERS_PER_SM = 64 * 1024
 

@@ -18,7 +18,8 @@ from kernels.compact import move_slots_ref, move_slots_triton
 from kernels.kv_store import store_kv_ref, store_kv_triton
 from kernels.kv_store_cpu import store_kv_cpu
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
-from kernels.eviction_order import MAX_SLOTS, eviction_order_ref, eviction_order_triton
+from kernels.eviction_order import MAX_SLOTS, Protected, eviction_order_ref, eviction_order_triton
+from kernels.page_choice import choose_pages_ref, choose_pages_triton
 from kernels.head_slots import BLOCK as SLOTS_BLOCK, head_slots_ref, head_slots_triton
 from kernels.hole_filling import BLOCK as HOLES_BLOCK, hole_moves_ref, hole_moves_triton
 from kernels.repaging import BLOCK as REPAGE_BLOCK, repage_ref, repage_triton
@@ -259,8 +260,9 @@ def test_the_eviction_order_kernel_is_the_reference(slots):
     """KV-Compress's eviction order (kernels/eviction_order.py) for heads of a number of slots that
     is no power of two (the sort's block padded), and on a GPU of MAX_SLOTS (the interpreter's sort
     takes seconds a head): heads empty, partly and wholly held, in fewer pages than their slots
-    take; priorities with ties (small integers, -0.0 and 0.0) and protected pairs (+inf); distinct
-    positions a head. The same order and costs as the reference, bit for bit."""
+    take; priorities with ties (small integers, -0.0 and 0.0) and +inf; distinct positions a head;
+    no pair protected, and each sequence's sinks and most recent protected (Protected, current
+    per sequence). The same order and costs as the reference, bit for bit."""
     S, L, H, bs = (2, 2, 4, 16) if KERNEL_DEVICE == "cuda" else (1, 2, 2, 16)
     with torch.device(KERNEL_DEVICE):
         lens = torch.randint(0, slots + 1, (S, L, H)).int()
@@ -270,10 +272,34 @@ def test_the_eviction_order_kernel_is_the_reference(slots):
         priority[priority == 0] = torch.tensor([0.0, -0.0]).repeat(slots)[:int((priority == 0).sum())]
         priority[torch.rand(S, L, H, slots) < 0.05] = float("inf")
         positions = torch.rand(S, L, H, 4 * slots).argsort(-1)[..., :slots].int()
-    for floor in (1, 3):
-        expected = eviction_order_ref(priority, positions, lens, pages, bs, floor)
-        got = eviction_order_triton(priority, positions, lens, pages, bs, floor)
+        current = torch.tensor([3 * slots, 2 * slots])[:S]
+    for floor, protected in ((1, None), (3, None), (1, Protected(4, slots // 2, current))):
+        expected = eviction_order_ref(priority, positions, lens, pages, bs, floor, protected)
+        got = eviction_order_triton(priority, positions, lens, pages, bs, floor, protected)
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert not torch.equal(expected[0], eviction_order_ref(priority, positions, lens, pages, bs, 1)[0])
+
+
+def test_the_page_choice_kernel_is_the_reference():
+    """KV-Compress's page choice (kernels/page_choice.py): each sequence's heads' costs, never
+    decreasing along a head, with many ties (-0.0 and 0.0 among them) and +inf pages at the end;
+    more heads than a program counts at a time (28 layers x 8 heads of 37 pages); sequences giving
+    up no page, half their pages of finite cost (the last taken among the zeros) and every one.
+    The same pages per head as the reference."""
+    g = torch.Generator().manual_seed(0)
+    S = 3
+    for L, H, m in ((2, 3, 5), (28, 8, 37), (4, 2, 300)):
+        costs = (torch.randint(-2, 5, (S, L, H, m), generator=g).float() / 2).sort(-1).values
+        costs[costs == 0] = torch.tensor([0.0, -0.0]).repeat(costs.numel())[:int((costs == 0).sum())]
+        costs[..., m - m // 4:] = float("inf")
+        pages = torch.randint(0, m + 1, (S, L, H), generator=g).int()
+        finite = (costs != float("inf")).flatten(1).sum(1)
+        given_up = torch.stack([torch.tensor(-5), finite[1] // 2, finite[2]])   # -5: fewer held than the target
+        target = pages.flatten(1).sum(1) - given_up
+        expected = choose_pages_ref(costs, pages, target)
+        got = choose_pages_triton(*(x.to(KERNEL_DEVICE) for x in (costs, pages, target))).cpu()
+        assert torch.equal(got, expected), (L, H, m)
+        assert torch.equal(expected.flatten(1).sum(1), given_up.clamp(min=0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
