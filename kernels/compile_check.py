@@ -263,48 +263,31 @@ def _elementwise_case(shape: str, dtype: str) -> Callable[[], None]:
     return run
 
 
-def _repage_case() -> None:
-    """KV-Compress's pages repaged after an eviction (kernels/repaging.py)."""
-    from kernels.repaging import repage_triton
-    repage_triton(torch.zeros(2, 3, 4, 5, dtype=torch.int32), torch.zeros(2, 3, 4, dtype=torch.long),
-                  torch.zeros(2, 60, dtype=torch.int32), 4, 100, torch.zeros(2, dtype=torch.long), 6,
-                  torch.zeros((), dtype=torch.long))
-
-
-def _holes_case() -> None:
-    """The moves that fill the holes an eviction leaves (kernels/hole_filling.py)."""
-    from kernels.hole_filling import hole_moves_triton
-    hole_moves_triton(torch.zeros(2, 3, 4, 32, dtype=torch.long), torch.zeros(2, 3, 4, dtype=torch.int32),
-                      torch.zeros(2, 3, 4, dtype=torch.int32), 32, 40, torch.zeros(2, dtype=torch.long))
-
-
-def _eviction_order_case(slots: int) -> Callable[[], None]:
-    """KV-Compress's eviction order over heads of `slots` slots (kernels/eviction_order.py)."""
-    def run():
-        from kernels.eviction_order import Protected, eviction_order_triton
-        heads = torch.zeros(2, 3, 4, dtype=torch.int32)
-        eviction_order_triton(torch.zeros(2, 3, 4, slots), heads, heads, heads, 16, 1,
-                              Protected(4, 64, torch.zeros(2, dtype=torch.long)))
-    return run
-
-
-def _page_choice_case(pages: int) -> Callable[[], None]:
-    """KV-Compress's page choice over a sequence's heads of `pages` pages (kernels/page_choice.py)."""
-    def run():
-        from kernels.page_choice import choose_pages_triton
-        choose_pages_triton(torch.zeros(2, 28, 8, pages), torch.zeros(2, 28, 8, dtype=torch.int32),
-                            torch.zeros(2, dtype=torch.long))
-    return run
-
-
-def _head_slots_case() -> None:
-    """Where a step's pairs go in heads with pages of their own (kernels/head_slots.py): a decode,
-    and prompt chunks."""
+def _eviction_cases() -> dict[str, Callable[[], None]]:
+    """The eviction surgery's kernels: KV-Compress's eviction order over heads of the smallest sort
+    (1,024 slots, 4 warps) and the largest (MAX_SLOTS, 16; kernels/eviction_order.py), its page
+    choice over Qwen3-0.6B's heads at |kv| 512 and at the most a program takes (ELEMENTS;
+    page_choice.py) and its repage (repaging.py), the moves that fill the holes (hole_filling.py),
+    and where a step's pairs go in heads with pages of their own: a decode, and prompt chunks
+    (head_slots.py; [L, B, H, W] views of the head tables' rows)."""
+    from kernels.eviction_order import Protected, eviction_order_triton
     from kernels.head_slots import head_slots_triton
-    tables = torch.zeros(3, 2, 8, 5, dtype=torch.int32).transpose(0, 1)   # [L, B, H, W] of the head tables' rows
-    lens = torch.ones(3, 2, 8, dtype=torch.int32).transpose(0, 1)
-    head_slots_triton(tables, lens, 16)
-    head_slots_triton(tables, lens, 16, torch.zeros(6, dtype=torch.long), torch.ones(6, dtype=torch.long))
+    from kernels.hole_filling import hole_moves_triton
+    from kernels.page_choice import choose_pages_triton
+    from kernels.repaging import repage_triton
+    ints, longs = ((lambda *shape, dtype=dtype: torch.zeros(shape, dtype=dtype)) for dtype in (torch.int32, torch.long))
+    tables, lens = ints(3, 2, 8, 5).transpose(0, 1), (ints(3, 2, 8) + 1).transpose(0, 1)
+    cases = {f"eviction order, {n} slots": lambda n=n: eviction_order_triton(
+        torch.zeros(2, 3, 4, n), ints(2, 3, 4), ints(2, 3, 4), ints(2, 3, 4), 16, 1, Protected(4, 64, longs(2)))
+        for n in (1024, 4096)}
+    cases |= {f"page choice, {m} pages": lambda m=m: choose_pages_triton(torch.zeros(2, 28, 8, m), ints(2, 28, 8),
+                                                                           longs(2)) for m in (36, 2048)}
+    cases["repage"] = lambda: repage_triton(ints(2, 3, 4, 5), longs(2, 3, 4), ints(2, 60), 4, 100, longs(2), 6,
+                                            longs())
+    cases["holes"] = lambda: hole_moves_triton(longs(2, 3, 4, 32), ints(2, 3, 4), ints(2, 3, 4), 32, 40, longs(2))
+    cases["head slots"] = lambda: (head_slots_triton(tables, lens, 16),
+                                   head_slots_triton(tables, lens, 16, longs(6), longs(6) + 1))
+    return cases
 
 
 def default_cases() -> dict[str, Callable[[], None]]:
@@ -353,14 +336,7 @@ def default_cases() -> dict[str, Callable[[], None]]:
         cases[f"key scores 512, {tag}"] = _attention_case("key_scores", shape, dtype, 16, query_len=512,
                                                           cache=cache)
         cases[f"store, {tag}"] = _store_case(shape, dtype, cache)
-    cases["repage"] = _repage_case
-    cases["holes"] = _holes_case
-    cases["head slots"] = _head_slots_case
-    for slots in (1024, 4096):   # the smallest sort (4 warps) and the largest (16, MAX_SLOTS)
-        cases[f"eviction order, {slots} slots"] = _eviction_order_case(slots)
-    for pages in (36, 2048):   # Qwen3-0.6B's heads at |kv| 512; the most a program takes (ELEMENTS)
-        cases[f"page choice, {pages} pages"] = _page_choice_case(pages)
-    return cases
+    return cases | _eviction_cases()
 
 
 def run_in_subprocesses(archs: list[int], only: str = "") -> list[CompiledKernel]:

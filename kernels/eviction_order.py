@@ -4,7 +4,7 @@ KV-Compress (eviction_order) puts each head's slots in that order, its empty slo
 past its length) first and the slots of pages it does not hold never (+inf), nor its protected
 pairs (+inf: a sequence's sinks and most recent positions, Protected), and prices its
 pages: evicting its first e pages costs the priority of its (e * bs)-th slot in that order,
-a page below its floor +inf (nanokv/eviction/pages.py chooses the pages from the costs). A
+a page below its floor +inf (kernels/page_choice.py chooses the pages from the costs). A
 uniform method (lowest) takes the k first of every head's slots, all held.
 
 The torch references are sixteen ops (two stable sorts) and, for a uniform method, a partial
@@ -35,7 +35,6 @@ class Protected(NamedTuple):
         """priority [S, ..., n] with the protected pairs' (by positions [S, ..., n]) +inf."""
         current = self.current.view(-1, *[1] * (priority.dim() - 1))
         return priority.masked_fill((positions < self.sinks) | (positions > current - self.recent), float("inf"))
-
 
 
 def eviction_order_ref(priority: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor, pages: torch.Tensor,
