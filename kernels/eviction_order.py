@@ -79,7 +79,7 @@ def lowest_ref(priority: torch.Tensor, positions: torch.Tensor, k: int, protecte
 
 
 @triton.jit
-def _flipped(bits):
+def float_order(bits):
     """Float bits (int32) made to sort as their floats do, and back: a negative's magnitude flipped."""
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
@@ -110,10 +110,10 @@ def _eviction_order_kernel(priority, positions, lens, pages, order, costs, curre
     if PROTECT:
         p = tl.where(protected, float("inf"), p)
     p = tl.where(slot >= held * BLOCK_SIZE, float("inf"), tl.where(empty, float("-inf"), p))
-    key = (_flipped(p.to(tl.int32, bitcast=True)).to(tl.int64) << 32) | (rank << SLOT_BITS) | slot
+    key = (float_order(p.to(tl.int32, bitcast=True)).to(tl.int64) << 32) | (rank << SLOT_BITS) | slot
     ordered = tl.sort(tl.where(valid, key, last))
     tl.store(order + row * n + slot, ordered & (BLOCK - 1), mask=valid)
-    cost = _flipped((ordered >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
+    cost = float_order((ordered >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
     page = slot // BLOCK_SIZE
     cost = tl.where(page + 1 > held - floor_pages, float("inf"), cost)
     tl.store(costs + row * (n // BLOCK_SIZE) + page, cost, mask=valid & (slot % BLOCK_SIZE == BLOCK_SIZE - 1))

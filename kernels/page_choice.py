@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.eviction_order import float_order
+
 ELEMENTS = 2048   # the costs a program counts at a time: as many heads as hold that many pages
 
 
@@ -32,9 +34,9 @@ def choose_pages_ref(costs: torch.Tensor, pages: torch.Tensor, target: torch.Ten
 @triton.jit
 def _key(costs_ptr, heads, column, valid, m):
     """The costs at heads x column as int32 in float order (-0.0 as 0.0); past the costs, the largest."""
-    bits = tl.load(costs_ptr + heads[:, None] * m + column[None, :], mask=valid, other=0.0)
-    bits = tl.where(bits == 0.0, 0.0, bits).to(tl.int32, bitcast=True)
-    return tl.where(valid, bits ^ ((bits >> 31) & 0x7FFFFFFF), 0x7FFFFFFF)
+    cost = tl.load(costs_ptr + heads[:, None] * m + column[None, :], mask=valid, other=0.0)
+    bits = tl.where(cost == 0.0, 0.0, cost).to(tl.int32, bitcast=True)
+    return tl.where(valid, float_order(bits), 0x7FFFFFFF)
 
 
 @triton.jit
