@@ -11,9 +11,9 @@ import torch
 from kernels.attention.prefill import prefill_tiles
 from kernels.attention.tiles import MIN_SPLIT
 
-# On an H200, in every decode and prefill case timed, the fewest splits
-# that filled the last wave to 90% ran within 2% of the fastest count, and a last wave under a
-# third full cost 13-19% more (docs/PERF.md, the sixth run).
+# On an H200, in every decode and prefill case timed, the fewest splits that filled the last wave
+# to 90% ran within 2% of the fastest count, and a last wave under a third full cost 13-19% more
+# (docs/PERF.md, the sixth run).
 DECODE_WAVES = 4    # a decode launch is split into at most this many waves
 FULL_WAVE = 0.9
 CPU_WAVE = 4        # the interpreter's "wave" on a CPU: a few programs, so tests see several splits
