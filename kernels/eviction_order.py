@@ -85,6 +85,12 @@ def float_order(bits):
 
 
 @triton.jit
+def float_key(x):
+    """fp32 x as an int32 that sorts as x does, -0.0 tied with 0.0 as the float compare has it."""
+    return float_order(tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True))
+
+
+@triton.jit
 def _eviction_order_kernel(priority, positions, lens, pages, order, costs, current, n, floor_pages, heads_per_seq,
                            sinks, recent, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, SLOT_BITS: tl.constexpr,
                            PROTECT: tl.constexpr):
@@ -106,11 +112,10 @@ def _eviction_order_kernel(priority, positions, lens, pages, order, costs, curre
     rank = tl.load(order + row * n + slot, mask=valid, other=0)
     tl.debug_barrier()   # read before the order overwrites them
     p = tl.load(priority + row * n + slot, mask=valid, other=0.0)
-    p = tl.where(p == 0.0, 0.0, p)   # -0.0 ties with 0.0, as the float compare has it
     if PROTECT:
         p = tl.where(protected, float("inf"), p)
     p = tl.where(slot >= held * BLOCK_SIZE, float("inf"), tl.where(empty, float("-inf"), p))
-    key = (float_order(p.to(tl.int32, bitcast=True)).to(tl.int64) << 32) | (rank << SLOT_BITS) | slot
+    key = (float_key(p).to(tl.int64) << 32) | (rank << SLOT_BITS) | slot
     ordered = tl.sort(tl.where(valid, key, last))
     tl.store(order + row * n + slot, ordered & (BLOCK - 1), mask=valid)
     cost = float_order((ordered >> 32).to(tl.int32)).to(tl.float32, bitcast=True)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.eviction_order import float_order
+from kernels.eviction_order import float_key
 
 ELEMENTS = 2048   # the costs a program counts at a time: as many heads as hold that many pages
 
@@ -35,8 +35,7 @@ def choose_pages_ref(costs: torch.Tensor, pages: torch.Tensor, target: torch.Ten
 def _key(costs_ptr, heads, column, valid, m):
     """The costs at heads x column as int32 in float order (-0.0 as 0.0); past the costs, the largest."""
     cost = tl.load(costs_ptr + heads[:, None] * m + column[None, :], mask=valid, other=0.0)
-    bits = tl.where(cost == 0.0, 0.0, cost).to(tl.int32, bitcast=True)
-    return tl.where(valid, float_order(bits), 0x7FFFFFFF)
+    return tl.where(valid, float_key(cost), 0x7FFFFFFF)
 
 
 @triton.jit

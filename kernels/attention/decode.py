@@ -22,7 +22,6 @@ from kernels.attention.tiles import (LN2, LOG2E, MIN_BLOCK_M, MIN_SPLIT, check_c
 from kernels.kv_store import kernel_view
 
 
-
 @dataclass
 class DecodeWorkspace:
     """The partial results of the splits, and their counters, allocated once and reused.
